@@ -1,0 +1,256 @@
+#include "backend/cpu/matmul.h"
+
+// GCC 12 reports its own _mm512_undefined_* helpers inside the AVX-512 intrinsics as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "util/bf16.h"
+
+namespace mtpx::cpu {
+namespace {
+
+// Tile shape: kRows activation rows x kOuts output features share their loads.
+constexpr int64_t kRows = 4;
+constexpr int64_t kOuts = 4;
+// Activation rows processed per block, so the block of x stays in L2 while the weights stream by.
+constexpr int64_t kRowBlock = 32;
+
+float load_scalar(const void* data, WeightType type, int64_t index) {
+  switch (type) {
+    case WeightType::kF32:
+      return static_cast<const float*>(data)[index];
+    case WeightType::kF16:
+      return f16_to_f32(static_cast<const uint16_t*>(data)[index]);
+    case WeightType::kBF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(data)[index]);
+  }
+  return 0.0f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512: 16 lanes. Loads widen bf16 by a 16-bit shift and f16 with vcvtph2ps.
+template <WeightType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline __m512 load16(const void* base, int64_t index) {
+  if constexpr (T == WeightType::kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + index);
+  } else if constexpr (T == WeightType::kF16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
+  } else {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// One tile: rows [m0, m0+nr) x outputs [o0, o0+no), nr <= kRows, no <= kOuts. Every (m, o) runs the same
+// instruction sequence regardless of nr and no.
+template <WeightType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tile_avx512(const WeightMatrix& w, const float* x,
+                                                                         int64_t m0, int64_t nr, int64_t o0,
+                                                                         int64_t no, float* y) {
+  const int64_t k_dim = w.cols;
+  const int64_t k_vec = k_dim / 16 * 16;
+  __m512 acc[kRows][kOuts];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t o = 0; o < kOuts; ++o) acc[r][o] = _mm512_setzero_ps();
+  const float* xr[kRows];
+  for (int64_t r = 0; r < kRows; ++r) xr[r] = x + (m0 + std::min(r, nr - 1)) * k_dim;
+  int64_t wo[kOuts];
+  for (int64_t o = 0; o < kOuts; ++o) wo[o] = (o0 + std::min(o, no - 1)) * k_dim;
+
+  if (nr == kRows && no == kOuts) {
+    for (int64_t k = 0; k < k_vec; k += 16) {
+      __m512 wv[kOuts];
+      for (int64_t o = 0; o < kOuts; ++o) wv[o] = load16<T>(w.data, wo[o] + k);
+      for (int64_t r = 0; r < kRows; ++r) {
+        __m512 xv = _mm512_loadu_ps(xr[r] + k);
+        for (int64_t o = 0; o < kOuts; ++o) acc[r][o] = _mm512_fmadd_ps(xv, wv[o], acc[r][o]);
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < k_vec; k += 16) {
+      __m512 wv[kOuts];
+      for (int64_t o = 0; o < no; ++o) wv[o] = load16<T>(w.data, wo[o] + k);
+      for (int64_t r = 0; r < nr; ++r) {
+        __m512 xv = _mm512_loadu_ps(xr[r] + k);
+        for (int64_t o = 0; o < no; ++o) acc[r][o] = _mm512_fmadd_ps(xv, wv[o], acc[r][o]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t o = 0; o < no; ++o) {
+      float s = _mm512_reduce_add_ps(acc[r][o]);
+      for (int64_t k = k_vec; k < k_dim; ++k) s += xr[r][k] * load_scalar(w.data, T, wo[o] + k);
+      y[(m0 + r) * w.rows + o0 + o] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA (+F16C): 8 lanes.
+template <WeightType T>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* base, int64_t index) {
+  if constexpr (T == WeightType::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + index);
+  } else if constexpr (T == WeightType::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index)));
+  } else {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 shuf = _mm_movehdup_ps(lo);
+  __m128 sums = _mm_add_ps(lo, shuf);
+  shuf = _mm_movehl_ps(shuf, sums);
+  sums = _mm_add_ss(sums, shuf);
+  return _mm_cvtss_f32(sums);
+}
+
+template <WeightType T>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const WeightMatrix& w, const float* x, int64_t m0,
+                                                        int64_t nr, int64_t o0, int64_t no, float* y) {
+  const int64_t k_dim = w.cols;
+  const int64_t k_vec = k_dim / 8 * 8;
+  __m256 acc[kRows][kOuts];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t o = 0; o < kOuts; ++o) acc[r][o] = _mm256_setzero_ps();
+  const float* xr[kRows];
+  for (int64_t r = 0; r < kRows; ++r) xr[r] = x + (m0 + std::min(r, nr - 1)) * k_dim;
+  int64_t wo[kOuts];
+  for (int64_t o = 0; o < kOuts; ++o) wo[o] = (o0 + std::min(o, no - 1)) * k_dim;
+  for (int64_t k = 0; k < k_vec; k += 8) {
+    __m256 wv[kOuts];
+    for (int64_t o = 0; o < no; ++o) wv[o] = load8<T>(w.data, wo[o] + k);
+    for (int64_t r = 0; r < nr; ++r) {
+      __m256 xv = _mm256_loadu_ps(xr[r] + k);
+      for (int64_t o = 0; o < no; ++o) acc[r][o] = _mm256_fmadd_ps(xv, wv[o], acc[r][o]);
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t o = 0; o < no; ++o) {
+      float s = hsum8(acc[r][o]);
+      for (int64_t k = k_vec; k < k_dim; ++k) s += xr[r][k] * load_scalar(w.data, T, wo[o] + k);
+      y[(m0 + r) * w.rows + o0 + o] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable fallback: 8 interleaved partial sums per (m, o), then a fixed pairwise sum.
+template <WeightType T>
+void tile_scalar(const WeightMatrix& w, const float* x, int64_t m0, int64_t nr, int64_t o0, int64_t no, float* y) {
+  const int64_t k_dim = w.cols;
+  for (int64_t r = 0; r < nr; ++r) {
+    const float* xr = x + (m0 + r) * k_dim;
+    for (int64_t o = 0; o < no; ++o) {
+      const int64_t wo = (o0 + o) * k_dim;
+      float part[8] = {};
+      int64_t k = 0;
+      for (; k + 8 <= k_dim; k += 8)
+        for (int j = 0; j < 8; ++j) part[j] += xr[k + j] * load_scalar(w.data, T, wo + k + j);
+      float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      for (; k < k_dim; ++k) s += xr[k] * load_scalar(w.data, T, wo + k);
+      y[(m0 + r) * w.rows + o0 + o] = s;
+    }
+  }
+}
+
+enum class Path { kAvx512, kAvx2, kScalar };
+
+Path detect_path() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return Path::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Path::kAvx2;
+  return Path::kScalar;
+}
+
+Path path() {
+  static const Path p = detect_path();  // a property of the CPU, computed once
+  return p;
+}
+
+using TileFn = void (*)(const WeightMatrix&, const float*, int64_t, int64_t, int64_t, int64_t, float*);
+
+template <WeightType T>
+TileFn tile_for(Path p) {
+  switch (p) {
+    case Path::kAvx512:
+      return tile_avx512<T>;
+    case Path::kAvx2:
+      return tile_avx2<T>;
+    case Path::kScalar:
+      return tile_scalar<T>;
+  }
+  return tile_scalar<T>;
+}
+
+TileFn select_tile(WeightType type) {
+  switch (type) {
+    case WeightType::kF32:
+      return tile_for<WeightType::kF32>(path());
+    case WeightType::kF16:
+      return tile_for<WeightType::kF16>(path());
+    case WeightType::kBF16:
+      return tile_for<WeightType::kBF16>(path());
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
+  if (m <= 0 || w.rows <= 0) return;
+  if (w.cols == 0) {
+    std::memset(y, 0, sizeof(float) * static_cast<size_t>(m * w.rows));
+    return;
+  }
+  const TileFn tile = select_tile(w.type);
+  const int64_t out_tiles = (w.rows + kOuts - 1) / kOuts;
+  // Small products are not worth waking the thread team.
+  const bool parallel = w.rows * w.cols * m >= (int64_t{1} << 15) && out_tiles > 1;
+  for (int64_t mb = 0; mb < m; mb += kRowBlock) {
+    const int64_t mb_end = std::min(m, mb + kRowBlock);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t t = 0; t < out_tiles; ++t) {
+      const int64_t o0 = t * kOuts;
+      const int64_t no = std::min(kOuts, w.rows - o0);
+      for (int64_t m0 = mb; m0 < mb_end; m0 += kRows) tile(w, x, m0, std::min(kRows, mb_end - m0), o0, no, y);
+    }
+  }
+}
+
+void matmul_reference(const WeightMatrix& w, const float* x, int64_t m, float* y) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t o = 0; o < w.rows; ++o) {
+      double s = 0.0;
+      for (int64_t k = 0; k < w.cols; ++k) s += static_cast<double>(x[r * w.cols + k]) * load_scalar(w.data, w.type, o * w.cols + k);
+      y[r * w.rows + o] = static_cast<float>(s);
+    }
+}
+
+void weight_row_to_f32(const WeightMatrix& w, int64_t row, float* out) {
+  for (int64_t k = 0; k < w.cols; ++k) out[k] = load_scalar(w.data, w.type, row * w.cols + k);
+}
+
+const char* simd_path() {
+  switch (path()) {
+    case Path::kAvx512:
+      return "avx512";
+    case Path::kAvx2:
+      return "avx2";
+    case Path::kScalar:
+      return "scalar";
+  }
+  return "scalar";
+}
+
+}  // namespace mtpx::cpu

@@ -1,0 +1,38 @@
+#include "backend/cpu/ops.h"
+
+namespace mtpx::cpu {
+
+void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
+  float ss = dot(x, x, n);
+  const float scale = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * scale) * weight[i];
+}
+
+void l2_normalize(float* x, float eps, int64_t n) {
+  const float scale = 1.0f / std::sqrt(dot(x, x, n) + eps);
+  for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+}
+
+void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
+}
+
+void add_inplace(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += a[i + j] * b[i + j];
+  float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy(float a, const float* x, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace mtpx::cpu

@@ -1,0 +1,34 @@
+// Small row-wise float32 operations. Each row is processed alone, in a fixed order (batch-invariant).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace mtpx::cpu {
+
+// out[i] = x[i] / sqrt(mean(x^2) + eps) * weight[i], over n elements. `weight` already holds the
+// effective multiplier (for the zero-centered Qwen3.5 norm, 1 + w is folded in at load time).
+// out may alias x.
+void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out);
+
+// x[i] /= sqrt(sum(x^2) + eps)  (the l2norm of the Gated DeltaNet q and k).
+void l2_normalize(float* x, float eps, int64_t n);
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+// log(1 + e^x) as torch.nn.functional.softplus (threshold 20: linear above).
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+// out[i] = silu(gate[i]) * up[i]
+void swiglu(const float* gate, const float* up, int64_t n, float* out);
+
+// x[i] += y[i]
+void add_inplace(float* x, const float* y, int64_t n);
+
+// Dot product in a fixed order (double-free, 8 interleaved partial sums).
+float dot(const float* a, const float* b, int64_t n);
+
+// y[i] += a * x[i]
+void axpy(float a, const float* x, int64_t n, float* y);
+
+}  // namespace mtpx::cpu

@@ -1,0 +1,65 @@
+#include "cli/common.h"
+
+#include <omp.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include "util/error.h"
+
+namespace mtpx::cli {
+
+std::filesystem::path resolve_model_dir(const std::string& flag_value) {
+  if (!flag_value.empty()) return flag_value;
+  if (const char* env = std::getenv("MTPX_MODEL"); env != nullptr && *env != '\0') return env;
+  // Beside the installed binary (<prefix>/bin/mtpx -> <prefix>/share/mtpx/models/default), then the
+  // source tree this binary was built from.
+  std::error_code ec;
+  auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    auto installed = exe.parent_path().parent_path() / "share" / "mtpx" / "models" / "default";
+    if (std::filesystem::is_directory(installed)) return installed;
+  }
+  return MTPX_DEFAULT_MODEL_DIR;
+}
+
+std::vector<int32_t> parse_id_list(const std::string& text, const std::string& flag) {
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  while (i <= text.size()) {
+    size_t j = text.find(',', i);
+    if (j == std::string::npos) j = text.size();
+    std::string item = text.substr(i, j - i);
+    auto b = item.find_first_not_of(" \t");
+    auto e = item.find_last_not_of(" \t");
+    item = b == std::string::npos ? "" : item.substr(b, e - b + 1);
+    if (item.empty()) invalid_input("{}: empty entry in id list '{}'", flag, text);
+    char* end = nullptr;
+    errno = 0;
+    long long v = std::strtoll(item.c_str(), &end, 10);
+    if (*end != '\0' || errno != 0 || v < 0 || v > INT32_MAX)
+      invalid_input("{}: '{}' is not a token id (a non-negative integer)", flag, item);
+    ids.push_back(static_cast<int32_t>(v));
+    i = j + 1;
+  }
+  return ids;
+}
+
+std::optional<Tokenizer> load_tokenizer_if_present(const std::filesystem::path& model_dir) {
+  auto path = model_dir / "tokenizer.json";
+  if (!std::filesystem::exists(path)) return std::nullopt;
+  return Tokenizer::from_file(path);
+}
+
+int64_t peak_rss_bytes() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+void set_threads(int threads) {
+  if (threads > 0) omp_set_num_threads(threads);
+}
+
+}  // namespace mtpx::cli

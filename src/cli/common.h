@@ -1,0 +1,31 @@
+// Helpers shared by the command-line front ends: model-directory resolution, id-list parsing, RSS.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "io/model_config.h"
+#include "tokenizer/tokenizer.h"
+
+namespace mtpx::cli {
+
+// --model if given; else $MTPX_MODEL; else the shipped model (models/default next to the binary's
+// source tree, or beside the installed binary).
+std::filesystem::path resolve_model_dir(const std::string& flag_value);
+
+// "1, 2,3" -> {1,2,3}; errors name `flag`.
+std::vector<int32_t> parse_id_list(const std::string& text, const std::string& flag);
+
+// The tokenizer of a model directory, if it has one (errors if tokenizer.json exists but is bad).
+std::optional<Tokenizer> load_tokenizer_if_present(const std::filesystem::path& model_dir);
+
+// Peak resident set size of this process in bytes.
+int64_t peak_rss_bytes();
+
+// Sets the number of worker threads (0: leave the default).
+void set_threads(int threads);
+
+}  // namespace mtpx::cli

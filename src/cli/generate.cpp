@@ -1,0 +1,136 @@
+// mtpx generate: prompt in, text (streamed) or JSON out.
+#include <cstdio>
+#include <optional>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "decode/generate.h"
+#include "io/model_config.h"
+#include "model/qwen35.h"
+#include "util/error.h"
+
+namespace mtpx::cli {
+namespace {
+
+struct GenerateFlags {
+  std::string model;
+  std::string prompt;
+  std::string prompt_ids;
+  int64_t max_tokens = 128;
+  std::optional<double> temperature;
+  std::optional<int64_t> top_k;
+  std::optional<double> top_p;
+  std::optional<double> min_p;
+  uint64_t seed = 0;
+  int threads = 0;
+  int64_t samples = 1;
+  bool json = false;
+};
+
+nlohmann::json result_json(const GenerateResult& r, const std::string& text) {
+  nlohmann::json stats = {{"prompt_tokens", r.stats.prompt_tokens},
+                          {"generated_tokens", r.stats.generated_tokens},
+                          {"prefill_tok_s", r.stats.prefill_tok_s()},
+                          {"decode_tok_s", r.stats.decode_tok_s()},
+                          {"peak_rss_bytes", peak_rss_bytes()}};
+  return {{"tokens", r.tokens}, {"text", text}, {"finish_reason", r.finish_reason}, {"stats", stats}};
+}
+
+int run_generate(const GenerateFlags& f) {
+  set_threads(f.threads);
+  if (f.prompt.empty() == f.prompt_ids.empty()) invalid_input("give exactly one of --prompt and --prompt-ids");
+  const auto dir = resolve_model_dir(f.model);
+  auto model = Model::load(dir);
+  auto tokenizer = load_tokenizer_if_present(dir);
+
+  std::vector<int32_t> prompt;
+  if (!f.prompt_ids.empty()) {
+    prompt = parse_id_list(f.prompt_ids, "--prompt-ids");
+  } else {
+    if (!tokenizer) invalid_input("--prompt needs a tokenizer, but '{}' has no tokenizer.json (use --prompt-ids)", dir.string());
+    prompt = tokenizer->encode(f.prompt);
+    if (prompt.empty()) invalid_input("--prompt encodes to no tokens");
+  }
+  for (int32_t id : prompt)
+    if (id >= model->config().vocab_size)
+      invalid_input("--prompt-ids: token id {} is outside the model's vocabulary [0, {})", id, model->config().vocab_size);
+
+  // Sampler: generation_config.json defaults (greedy when do_sample is false), flags override.
+  const GenerationConfig gen = load_generation_config(dir / "generation_config.json");
+  GenerateOptions options;
+  options.max_tokens = f.max_tokens;
+  options.sampler.temperature = gen.do_sample ? gen.temperature : 0.0;
+  options.sampler.top_k = gen.top_k;
+  options.sampler.top_p = gen.top_p;
+  options.sampler.min_p = gen.min_p;
+  if (f.temperature) options.sampler.temperature = *f.temperature;
+  if (f.top_k) options.sampler.top_k = *f.top_k;
+  if (f.top_p) options.sampler.top_p = *f.top_p;
+  if (f.min_p) options.sampler.min_p = *f.min_p;
+  validate(options.sampler);
+  options.stop_ids = gen.eos_token_ids;
+  for (int32_t id : model->config().eos_token_ids) options.stop_ids.push_back(id);
+  if (tokenizer) options.vocab_limit = tokenizer->vocab_size();
+
+  auto is_stop = [&](int32_t id) { return std::find(options.stop_ids.begin(), options.stop_ids.end(), id) != options.stop_ids.end(); };
+  auto text_of = [&](const std::vector<int32_t>& tokens) {
+    if (!tokenizer) return std::string();
+    std::vector<int32_t> shown(tokens);
+    if (!shown.empty() && is_stop(shown.back())) shown.pop_back();
+    return tokenizer->decode(shown);
+  };
+
+  nlohmann::json all = nlohmann::json::array();
+  for (int64_t s = 0; s < f.samples; ++s) {
+    options.seed = f.seed + static_cast<uint64_t>(s);
+    std::optional<StreamDecoder> stream;
+    if (!f.json && tokenizer) stream.emplace(*tokenizer);
+    auto on_token = [&](int32_t id) {
+      if (f.json) return;
+      if (stream) {
+        if (!is_stop(id)) std::fputs(stream->push(id).c_str(), stdout);
+      } else {
+        std::printf("%d ", id);
+      }
+      std::fflush(stdout);
+    };
+    GenerateResult r = generate(*model, prompt, options, on_token);
+    if (f.json) {
+      all.push_back(result_json(r, text_of(r.tokens)));
+    } else {
+      if (stream) std::fputs(stream->flush().c_str(), stdout);
+      std::printf("\n");
+      std::fflush(stdout);
+      std::fprintf(stderr, "[prompt %lld tok, prefill %.1f tok/s | generated %lld tok, decode %.1f tok/s | peak RSS %.0f MiB]\n",
+                   static_cast<long long>(r.stats.prompt_tokens), r.stats.prefill_tok_s(),
+                   static_cast<long long>(r.stats.generated_tokens), r.stats.decode_tok_s(),
+                   static_cast<double>(peak_rss_bytes()) / (1 << 20));
+    }
+  }
+  if (f.json) std::printf("%s\n", (f.samples == 1 ? all[0] : all).dump().c_str());
+  return 0;
+}
+
+}  // namespace
+
+std::function<int()> add_generate_command(CLI::App& app) {
+  auto f = std::make_shared<GenerateFlags>();
+  app.add_option("--model", f->model, "model directory (default: $MTPX_MODEL or the shipped model)");
+  app.add_option("--prompt", f->prompt, "prompt text");
+  app.add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
+  app.add_option("--max-tokens", f->max_tokens, "most tokens to generate")->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  app.add_option("--temperature", f->temperature, "sampling temperature (0: greedy)")->check(CLI::Range(0.0, 100.0));
+  app.add_option("--top-k", f->top_k, "keep the k most likely tokens (0: off)")->check(CLI::Range(int64_t{0}, int64_t{1} << 22));
+  app.add_option("--top-p", f->top_p, "nucleus sampling mass (1: off)")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--min-p", f->min_p, "drop tokens below min-p times the top probability (0: off)")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--seed", f->seed, "random seed (sample i uses seed + i)");
+  app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
+  app.add_option("--samples", f->samples, "independent completions to draw")->check(CLI::Range(int64_t{1}, int64_t{100000}));
+  app.add_flag("--json", f->json, "print one JSON object (a list with --samples > 1)");
+  return [f] { return run_generate(*f); };
+}
+
+}  // namespace mtpx::cli

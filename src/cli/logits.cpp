@@ -1,0 +1,70 @@
+// mtpx logits: the float32 logits [n, V] and post-final-norm hidden states [n, H] of every prompt
+// position, written to a safetensors file (for comparison with reference implementations).
+#include <cstring>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+#include "io/safetensors.h"
+#include "model/qwen35.h"
+#include "util/error.h"
+
+namespace mtpx::cli {
+namespace {
+
+struct LogitsFlags {
+  std::string model;
+  std::string prompt;
+  std::string prompt_ids;
+  std::string out;
+  int threads = 0;
+};
+
+std::span<const std::byte> bytes_of(const std::vector<float>& v) {
+  return {reinterpret_cast<const std::byte*>(v.data()), v.size() * sizeof(float)};
+}
+
+int run_logits(const LogitsFlags& f) {
+  set_threads(f.threads);
+  if (f.prompt.empty() == f.prompt_ids.empty()) invalid_input("give exactly one of --prompt and --prompt-ids");
+  if (f.out.empty()) invalid_input("--out is required");
+  const auto dir = resolve_model_dir(f.model);
+  auto model = Model::load(dir);
+  std::vector<int32_t> prompt;
+  if (!f.prompt_ids.empty()) {
+    prompt = parse_id_list(f.prompt_ids, "--prompt-ids");
+  } else {
+    auto tokenizer = load_tokenizer_if_present(dir);
+    if (!tokenizer) invalid_input("--prompt needs a tokenizer, but '{}' has no tokenizer.json", dir.string());
+    prompt = tokenizer->encode(f.prompt);
+  }
+  if (prompt.empty()) invalid_input("the prompt is empty");
+  for (int32_t id : prompt)
+    if (id >= model->config().vocab_size)
+      invalid_input("--prompt-ids: token id {} is outside the model's vocabulary [0, {})", id, model->config().vocab_size);
+
+  InferenceState state = model->new_state(static_cast<int64_t>(prompt.size()));
+  ForwardResult r;
+  model->forward(state, prompt, LogitRows::kAll, r);
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  std::vector<int32_t> ids(prompt);
+  write_safetensors(f.out, {
+                               {"logits", DType::kF32, {n, model->config().vocab_size}, bytes_of(r.logits)},
+                               {"hidden", DType::kF32, {n, model->config().hidden_size}, bytes_of(r.hidden)},
+                               {"prompt", DType::kI32, {n}, {reinterpret_cast<const std::byte*>(ids.data()), ids.size() * 4}},
+                           });
+  return 0;
+}
+
+}  // namespace
+
+std::function<int()> add_logits_command(CLI::App& app) {
+  auto f = std::make_shared<LogitsFlags>();
+  app.add_option("--model", f->model, "model directory (default: $MTPX_MODEL or the shipped model)");
+  app.add_option("--prompt", f->prompt, "prompt text");
+  app.add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
+  app.add_option("--out", f->out, "output .safetensors file");
+  app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
+  return [f] { return run_logits(*f); };
+}
+
+}  // namespace mtpx::cli

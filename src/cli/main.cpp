@@ -1,0 +1,46 @@
+// mtpx: command-line front end. The one place where errors become exit codes:
+// 0 success, 2 bad input (flags, files, ids), 1 internal failure.
+#include <cstdio>
+#include <map>
+
+#include <fmt/core.h>
+
+#include "cli/commands.h"
+#include "util/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"mtpx: Qwen3.5/Qwen3.6 inference with native multi-token-prediction speculative decoding"};
+  app.set_version_flag("--version", std::string("mtpx ") + MTPX_VERSION);
+  app.require_subcommand(1);
+  std::map<CLI::App*, std::function<int()>> runners;
+  auto add = [&](const char* name, const char* description, auto adder) {
+    CLI::App* sub = app.add_subcommand(name, description);
+    runners[sub] = adder(*sub);
+  };
+  add("generate", "generate text from a prompt", mtpx::cli::add_generate_command);
+  add("tokenize", "print the token ids of a text", mtpx::cli::add_tokenize_command);
+  add("logits", "write the logits and final hidden states of a prompt to a safetensors file", mtpx::cli::add_logits_command);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+  try {
+    for (auto& [sub, run] : runners)
+      if (sub->parsed()) return run();
+    return 2;
+  } catch (const mtpx::Error& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return mtpx::exit_code_for(e.kind());
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "error: out of memory\n");
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: internal: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,51 @@
+#include "decode/generate.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "util/error.h"
+
+namespace mtpx {
+
+GenerateResult generate(const Model& model, std::span<const int32_t> prompt, const GenerateOptions& options,
+                        const std::function<void(int32_t)>& on_token) {
+  using Clock = std::chrono::steady_clock;
+  if (prompt.empty()) invalid_input("the prompt is empty");
+  if (options.max_tokens < 0) invalid_input("max-tokens must be >= 0, got {}", options.max_tokens);
+  validate(options.sampler);
+  const int64_t vocab_limit = options.vocab_limit > 0 ? std::min(options.vocab_limit, model.config().vocab_size) : model.config().vocab_size;
+
+  GenerateResult result;
+  result.finish_reason = "length";
+  result.stats.prompt_tokens = static_cast<int64_t>(prompt.size());
+  if (options.max_tokens == 0) return result;
+
+  InferenceState state = model.new_state(static_cast<int64_t>(prompt.size()) + options.max_tokens);
+  Rng rng(options.seed);
+  ForwardResult forward;
+
+  auto t0 = Clock::now();
+  model.forward(state, prompt, LogitRows::kLast, forward);
+  auto next = [&]() { return sample(truncate(forward.logits, options.sampler, vocab_limit), rng); };
+  int32_t token = next();
+  result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  auto t1 = Clock::now();
+  while (true) {
+    result.tokens.push_back(token);
+    if (on_token) on_token(token);
+    if (std::find(options.stop_ids.begin(), options.stop_ids.end(), token) != options.stop_ids.end()) {
+      result.finish_reason = "stop";
+      break;
+    }
+    if (static_cast<int64_t>(result.tokens.size()) >= options.max_tokens) break;
+    model.forward(state, std::span<const int32_t>(&token, 1), LogitRows::kLast, forward);
+    ++result.stats.decode_steps;
+    token = next();
+  }
+  result.stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
+  result.stats.generated_tokens = static_cast<int64_t>(result.tokens.size());
+  return result;
+}
+
+}  // namespace mtpx

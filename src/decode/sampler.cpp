@@ -1,0 +1,102 @@
+#include "decode/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "util/error.h"
+
+namespace mtpx {
+
+void validate(const SamplerParams& p) {
+  if (!(p.temperature >= 0.0 && p.temperature <= 100.0)) invalid_input("temperature must be in [0, 100], got {}", p.temperature);
+  if (p.top_k < 0) invalid_input("top-k must be >= 0, got {}", p.top_k);
+  if (!(p.top_p > 0.0 && p.top_p <= 1.0)) invalid_input("top-p must be in (0, 1], got {}", p.top_p);
+  if (!(p.min_p >= 0.0 && p.min_p <= 1.0)) invalid_input("min-p must be in [0, 1], got {}", p.min_p);
+}
+
+float TokenDistribution::prob(int32_t id) const {
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] == id) return probs[i];
+  return 0.0f;
+}
+
+int32_t argmax(std::span<const float> logits, int64_t vocab_limit) {
+  const int64_t n = std::min<int64_t>(vocab_limit, static_cast<int64_t>(logits.size()));
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (logits[static_cast<size_t>(i)] > logits[static_cast<size_t>(best)]) best = i;
+  return static_cast<int32_t>(best);
+}
+
+TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p, int64_t vocab_limit) {
+  TokenDistribution d;
+  const int64_t n = std::min<int64_t>(vocab_limit, static_cast<int64_t>(logits.size()));
+  if (n <= 0) invalid_input("no tokens to sample from");
+  if (p.greedy()) {
+    d.ids = {argmax(logits, n)};
+    d.probs = {1.0f};
+    return d;
+  }
+  // Candidate ids, highest logit first (ties: lower id first). With top-k only k (plus ties) are sorted.
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  std::iota(ids.begin(), ids.end(), 0);
+  auto higher = [&](int32_t a, int32_t b) {
+    const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
+    return la > lb || (la == lb && a < b);
+  };
+  if (p.top_k > 0 && p.top_k < n) {
+    std::nth_element(ids.begin(), ids.begin() + (p.top_k - 1), ids.end(), higher);
+    const float kth = logits[static_cast<size_t>(ids[static_cast<size_t>(p.top_k - 1)])];
+    // Keep every token whose logit is >= the k-th largest (ties at the boundary survive, as in HF).
+    auto end = std::partition(ids.begin(), ids.end(), [&](int32_t id) { return logits[static_cast<size_t>(id)] >= kth; });
+    ids.erase(end, ids.end());
+  }
+  std::sort(ids.begin(), ids.end(), higher);
+
+  // softmax(logits / T) over the survivors, in double for a stable sum.
+  const double inv_t = 1.0 / p.temperature;
+  const double max_logit = logits[static_cast<size_t>(ids[0])] * inv_t;
+  std::vector<double> w(ids.size());
+  double total = 0.0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    w[i] = std::exp(static_cast<double>(logits[static_cast<size_t>(ids[i])]) * inv_t - max_logit);
+    total += w[i];
+  }
+  size_t keep = ids.size();
+  if (p.top_p < 1.0) {
+    // Keep token i while the mass strictly before it is < p (HF removes tokens whose ascending cumsum <= 1-p).
+    double before = 0.0;
+    for (size_t i = 0; i < keep; ++i) {
+      if (before / total >= p.top_p && i > 0) {
+        keep = i;
+        break;
+      }
+      before += w[i];
+    }
+  }
+  if (p.min_p > 0.0) {
+    const double floor = p.min_p * w[0];
+    size_t i = 1;
+    while (i < keep && w[i] >= floor) ++i;
+    keep = i;
+  }
+  double kept_total = 0.0;
+  for (size_t i = 0; i < keep; ++i) kept_total += w[i];
+  d.ids.assign(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(keep));
+  d.probs.resize(keep);
+  for (size_t i = 0; i < keep; ++i) d.probs[i] = static_cast<float>(w[i] / kept_total);
+  return d;
+}
+
+int32_t sample(const TokenDistribution& d, Rng& rng) {
+  const double u = rng.uniform();
+  double cumulative = 0.0;
+  for (size_t i = 0; i < d.ids.size(); ++i) {
+    cumulative += d.probs[i];
+    if (u < cumulative) return d.ids[i];
+  }
+  return d.ids.back();  // u beyond the float-rounded total
+}
+
+}  // namespace mtpx

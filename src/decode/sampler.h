@@ -1,0 +1,56 @@
+// Turning logits into a next token. One function, truncate(), turns logits into the truncated,
+// renormalized distribution the sampler draws from; speculative decoding must pass both the draft's and
+// the target's logits through this same function, so the two sides are never truncated differently.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+namespace mtpx {
+
+struct SamplerParams {
+  double temperature = 1.0;  // <= 0: greedy (argmax)
+  int64_t top_k = 0;         // 0: off
+  double top_p = 1.0;        // 1: off
+  double min_p = 0.0;        // 0: off
+
+  bool greedy() const { return temperature <= 0.0; }
+};
+
+// Validates ranges; throws mtpx::Error (kInvalidInput) naming the parameter.
+void validate(const SamplerParams& params);
+
+// A probability distribution over a subset of the vocabulary, sorted by probability (descending, ties
+// by lower id first); probabilities sum to 1. Tokens not listed have probability 0.
+struct TokenDistribution {
+  std::vector<int32_t> ids;
+  std::vector<float> probs;
+
+  float prob(int32_t id) const;  // 0 for an unlisted id
+};
+
+// softmax(logits / T), then, in Hugging Face's order: top-k (keep tokens whose logit is >= the k-th
+// largest), top-p (keep the smallest prefix of the sorted tokens whose mass reaches p; at least one),
+// min-p (drop tokens with p < min_p * p_max), then renormalize. Greedy gives the one-hot argmax.
+// Only ids < vocab_limit are eligible (embedding rows past the tokenizer's vocabulary are padding).
+TokenDistribution truncate(std::span<const float> logits, const SamplerParams& params, int64_t vocab_limit);
+
+// The largest logit's id among ids < vocab_limit (lowest id on ties).
+int32_t argmax(std::span<const float> logits, int64_t vocab_limit);
+
+// Seeded random numbers; the same seed gives the same stream on every machine.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : engine_(seed) {}
+  double uniform() { return static_cast<double>(engine_() >> 11) * 0x1.0p-53; }  // [0, 1)
+
+ private:
+  std::mt19937_64 engine_;
+};
+
+// Draws one id from the distribution (inverse CDF over the sorted list).
+int32_t sample(const TokenDistribution& distribution, Rng& rng);
+
+}  // namespace mtpx

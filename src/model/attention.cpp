@@ -1,0 +1,94 @@
+#include "model/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "backend/cpu/matmul.h"
+#include "backend/cpu/ops.h"
+
+namespace mtpx {
+
+void apply_partial_rope(float* x, int64_t rotary_dim, double theta, int64_t pos) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    // As transformers computes it: inv_freq and the angle in float32, cos/sin of the float32 angle.
+    const float inv_freq = static_cast<float>(1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(rotary_dim)));
+    const float angle = static_cast<float>(pos) * inv_freq;
+    const float c = static_cast<float>(std::cos(static_cast<double>(angle)));
+    const float s = static_cast<float>(std::sin(static_cast<double>(angle)));
+    const float a = x[i], b = x[i + half];
+    x[i] = a * c - b * s;
+    x[i + half] = b * c + a * s;
+  }
+}
+
+void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, KvCache& cache, int64_t p0,
+                             const float* h, int64_t T, float* out) {
+  const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_kv_heads;
+  const int64_t group = nq / nkv;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+
+  std::vector<float> qg(static_cast<size_t>(T * nq * 2 * D));  // [T, nq, 2D]
+  std::vector<float> k(static_cast<size_t>(T * nkv * D));      // [T, nkv, D]
+  std::vector<float> v(static_cast<size_t>(T * nkv * D));      // [T, nkv, D]
+  cpu::matmul(w.q_proj, h, T, qg.data());
+  cpu::matmul(w.k_proj, h, T, k.data());
+  cpu::matmul(w.v_proj, h, T, v.data());
+
+  // q/k norm and RoPE; keys and values go to the cache at their positions.
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t pos = p0 + t;
+    for (int64_t hq = 0; hq < nq; ++hq) {
+      float* q = &qg[static_cast<size_t>((t * nq + hq) * 2 * D)];
+      cpu::rms_norm(q, w.q_norm.data(), eps, D, q);
+      apply_partial_rope(q, c.rotary_dim, c.rope_theta, pos);
+    }
+    for (int64_t hk = 0; hk < nkv; ++hk) {
+      float* kk = &k[static_cast<size_t>((t * nkv + hk) * D)];
+      cpu::rms_norm(kk, w.k_norm.data(), eps, D, kk);
+      apply_partial_rope(kk, c.rotary_dim, c.rope_theta, pos);
+    }
+    std::copy_n(&k[static_cast<size_t>(t * nkv * D)], nkv * D, &cache.keys[static_cast<size_t>(pos * nkv * D)]);
+    std::copy_n(&v[static_cast<size_t>(t * nkv * D)], nkv * D, &cache.values[static_cast<size_t>(pos * nkv * D)]);
+  }
+
+  // o[t, hq] = softmax(q k^T / sqrt(D)) v over positions 0..p0+t, then * sigmoid(gate).
+  std::vector<float> o(static_cast<size_t>(T * nq * D));  // [T, nq, D]
+  const int64_t max_keys = p0 + T;
+#pragma omp parallel if (T * nq * max_keys * D >= (1 << 16))
+  {
+    std::vector<float> scores(static_cast<size_t>(max_keys));
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t hq = 0; hq < nq; ++hq) {
+        const int64_t n_keys = p0 + t + 1;
+        const int64_t hk = hq / group;
+        const float* q = &qg[static_cast<size_t>((t * nq + hq) * 2 * D)];
+        float max_score = -INFINITY;
+        for (int64_t j = 0; j < n_keys; ++j) {
+          const float s = cpu::dot(q, &cache.keys[static_cast<size_t>((j * nkv + hk) * D)], D) * scale;
+          scores[static_cast<size_t>(j)] = s;
+          max_score = std::max(max_score, s);
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n_keys; ++j) {
+          const float e = std::exp(scores[static_cast<size_t>(j)] - max_score);
+          scores[static_cast<size_t>(j)] = e;
+          sum += e;
+        }
+        float* od = &o[static_cast<size_t>((t * nq + hq) * D)];
+        std::fill_n(od, D, 0.0f);
+        const float inv_sum = 1.0f / sum;
+        for (int64_t j = 0; j < n_keys; ++j)
+          cpu::axpy(scores[static_cast<size_t>(j)] * inv_sum, &cache.values[static_cast<size_t>((j * nkv + hk) * D)], D, od);
+        const float* gate = q + D;
+        for (int64_t d = 0; d < D; ++d) od[d] *= cpu::sigmoid(gate[d]);
+      }
+    }
+  }
+  cpu::matmul(w.o_proj, o.data(), T, out);
+}
+
+}  // namespace mtpx

@@ -1,0 +1,23 @@
+// Gated full attention (spec §3): per-head [query | gate] projection, zero-centered q/k RMSNorm,
+// partial NeoX RoPE over the first rotary_dim dims, grouped-query causal softmax attention over the
+// KV cache, sigmoid output gate, output projection.
+#pragma once
+
+#include <cstdint>
+
+#include "io/model_config.h"
+#include "model/state.h"
+#include "model/weights.h"
+
+namespace mtpx {
+
+// h: [T, H] (already input-normed) at positions p0 .. p0+T-1; appends T rows to `cache` at those
+// positions; out: [T, H]. Row t attends to cache positions 0 .. p0+t, in order (batch-invariant).
+void gated_attention_forward(const AttentionWeights& w, const ModelConfig& config, KvCache& cache, int64_t p0,
+                             const float* h, int64_t t_count, float* out);
+
+// In-place rotation of the first rotary_dim dims of one head vector x[D] at position `pos`:
+// pairs (i, i + rotary_dim/2), angle pos * theta^(-2i/rotary_dim) (§3.1).
+void apply_partial_rope(float* x, int64_t rotary_dim, double theta, int64_t pos);
+
+}  // namespace mtpx

@@ -1,0 +1,85 @@
+#include "model/qwen35.h"
+
+#include "backend/cpu/matmul.h"
+#include "backend/cpu/ops.h"
+#include "io/safetensors.h"
+#include "model/attention.h"
+#include "model/gated_deltanet.h"
+#include "model/mlp.h"
+#include "util/error.h"
+
+namespace mtpx {
+
+Model::~Model() = default;
+
+std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
+  if (!std::filesystem::is_directory(dir)) fail(ErrorKind::kNotFound, "model directory '{}' does not exist", dir.string());
+  const auto config_path = dir / "config.json";
+  if (!std::filesystem::exists(config_path))
+    fail(ErrorKind::kNotFound, "'{}' has no config.json (not a Hugging Face model directory)", dir.string());
+  std::unique_ptr<Model> m(new Model());
+  m->dir_ = dir;
+  m->config_ = load_model_config(config_path);
+  m->store_ = std::make_unique<TensorStore>(TensorStore::open_directory(dir));
+  m->weights_ = load_model_weights(*m->store_, m->config_);
+  return m;
+}
+
+std::unique_ptr<Model> Model::synthetic(const ModelConfig& config, uint64_t seed) {
+  std::unique_ptr<Model> m(new Model());
+  m->config_ = config;
+  m->synthetic_ = std::make_unique<SyntheticStorage>();
+  m->weights_ = make_synthetic_weights(config, seed, *m->synthetic_);
+  return m;
+}
+
+void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result) const {
+  const ModelConfig& c = config_;
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  const int64_t H = c.hidden_size;
+  const int64_t p0 = state.position();
+  if (T == 0) invalid_input("forward: no tokens");
+  if (p0 + T > state.capacity())
+    invalid_input("context overflow: {} positions needed, the state holds {}", p0 + T, state.capacity());
+  for (int32_t id : tokens)
+    if (id < 0 || id >= c.vocab_size) invalid_input("token id {} is outside the model's vocabulary [0, {})", id, c.vocab_size);
+
+  // x: the residual stream [T, H].
+  std::vector<float> x(static_cast<size_t>(T * H)), normed(static_cast<size_t>(T * H)), branch(static_cast<size_t>(T * H));
+  for (int64_t t = 0; t < T; ++t) cpu::weight_row_to_f32(weights_.embed_tokens, tokens[static_cast<size_t>(t)], &x[static_cast<size_t>(t * H)]);
+
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  for (int64_t li = 0; li < c.num_layers; ++li) {
+    const LayerWeights& layer = weights_.layers[static_cast<size_t>(li)];
+    for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], layer.input_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
+    if (layer.type == LayerType::kFullAttention) {
+      gated_attention_forward(*layer.attention, c, state.kv(li), p0, normed.data(), T, branch.data());
+    } else {
+      gated_deltanet_forward(*layer.delta_net, c, state.delta(li), normed.data(), T, branch.data());
+    }
+    cpu::add_inplace(x.data(), branch.data(), T * H);
+    for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
+    mlp_forward(layer.mlp, normed.data(), T, branch.data());
+    cpu::add_inplace(x.data(), branch.data(), T * H);
+  }
+
+  result.hidden.resize(static_cast<size_t>(T * H));
+  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], weights_.final_norm.data(), eps, H, &result.hidden[static_cast<size_t>(t * H)]);
+  const int64_t V = c.vocab_size;
+  switch (rows) {
+    case LogitRows::kNone:
+      result.logits.clear();
+      break;
+    case LogitRows::kLast:
+      result.logits.resize(static_cast<size_t>(V));
+      cpu::matmul(weights_.lm_head, &result.hidden[static_cast<size_t>((T - 1) * H)], 1, result.logits.data());
+      break;
+    case LogitRows::kAll:
+      result.logits.resize(static_cast<size_t>(T * V));
+      cpu::matmul(weights_.lm_head, result.hidden.data(), T, result.logits.data());
+      break;
+  }
+  state.advance(T);
+}
+
+}  // namespace mtpx

@@ -1,0 +1,34 @@
+#include "model/state.h"
+
+#include <algorithm>
+
+#include "util/error.h"
+
+namespace mtpx {
+
+InferenceState::InferenceState(const ModelConfig& c, int64_t capacity) : capacity_(capacity) {
+  if (capacity <= 0) invalid_input("context capacity must be positive, got {}", capacity);
+  kv_.resize(static_cast<size_t>(c.num_layers));
+  delta_.resize(static_cast<size_t>(c.num_layers));
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    if (c.layer_types[static_cast<size_t>(i)] == LayerType::kFullAttention) {
+      const size_t n = static_cast<size_t>(capacity * c.num_kv_heads * c.head_dim);
+      kv_[static_cast<size_t>(i)].keys.assign(n, 0.0f);
+      kv_[static_cast<size_t>(i)].values.assign(n, 0.0f);
+    } else {
+      DeltaNetState& d = delta_[static_cast<size_t>(i)];
+      d.conv.assign(static_cast<size_t>((c.linear_conv_kernel_dim - 1) * c.conv_dim()), 0.0f);
+      d.ssm.assign(static_cast<size_t>(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim), 0.0f);
+    }
+  }
+}
+
+void InferenceState::reset() {
+  position_ = 0;
+  for (DeltaNetState& d : delta_) {
+    std::fill(d.conv.begin(), d.conv.end(), 0.0f);
+    std::fill(d.ssm.begin(), d.ssm.end(), 0.0f);
+  }
+}
+
+}  // namespace mtpx

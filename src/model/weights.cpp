@@ -1,0 +1,249 @@
+#include "model/weights.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "io/safetensors.h"
+#include "util/bf16.h"
+#include "util/error.h"
+
+namespace mtpx {
+namespace {
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Looks tensors up by name and checks them; the one place that knows checkpoint naming.
+class Resolver {
+ public:
+  Resolver(const TensorStore& store, float norm_offset) : store_(store), norm_offset_(norm_offset) {}
+
+  const TensorView& tensor(const std::string& name, const std::vector<int64_t>& shape) const {
+    const TensorView& t = store_.get(name);
+    if (t.shape != shape)
+      invalid_input("tensor '{}' has wrong shape: expected {}, found {} (in '{}')", name, shape_string(shape),
+                    shape_string(t.shape), t.file.string());
+    return t;
+  }
+
+  cpu::WeightMatrix matrix(const std::string& name, int64_t rows, int64_t cols) {
+    const TensorView& t = tensor(name, {rows, cols});
+    cpu::WeightMatrix w{weight_type(t), t.data, rows, cols};
+    bytes_ += static_cast<int64_t>(t.nbytes);
+    return w;
+  }
+
+  // A small vector widened to float32 (+ offset).
+  std::vector<float> vector(const std::string& name, const std::vector<int64_t>& shape, float offset = 0.0f) const {
+    const TensorView& t = tensor(name, shape);
+    std::vector<float> out(static_cast<size_t>(t.numel()));
+    for (size_t i = 0; i < out.size(); ++i) out[i] = element(t, i) + offset;
+    return out;
+  }
+
+  std::vector<float> norm(const std::string& name, int64_t n) const { return vector(name, {n}, norm_offset_); }
+
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  static cpu::WeightType weight_type(const TensorView& t) {
+    switch (t.dtype) {
+      case DType::kF32:
+        return cpu::WeightType::kF32;
+      case DType::kF16:
+        return cpu::WeightType::kF16;
+      case DType::kBF16:
+        return cpu::WeightType::kBF16;
+      default:
+        invalid_input("tensor '{}' has dtype {}; weights must be F32, F16 or BF16 (in '{}')", t.name, dtype_name(t.dtype),
+                      t.file.string());
+    }
+  }
+
+  static float element(const TensorView& t, size_t i) {
+    const auto* p = t.data;
+    switch (t.dtype) {
+      case DType::kF32: {
+        float f;
+        std::memcpy(&f, p + i * 4, 4);
+        return f;
+      }
+      case DType::kF16:
+      case DType::kBF16: {
+        uint16_t h;
+        std::memcpy(&h, p + i * 2, 2);
+        return t.dtype == DType::kF16 ? f16_to_f32(h) : bf16_to_f32(h);
+      }
+      default:
+        invalid_input("tensor '{}' has dtype {}; expected F32, F16 or BF16 (in '{}')", t.name, dtype_name(t.dtype),
+                      t.file.string());
+    }
+  }
+
+  const TensorStore& store_;
+  float norm_offset_;
+  int64_t bytes_ = 0;
+};
+
+AttentionWeights load_attention(Resolver& r, const std::string& p, const ModelConfig& c) {
+  const int64_t H = c.hidden_size, D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_kv_heads;
+  AttentionWeights a;
+  a.q_proj = r.matrix(p + "q_proj.weight", nq * 2 * D, H);
+  a.k_proj = r.matrix(p + "k_proj.weight", nkv * D, H);
+  a.v_proj = r.matrix(p + "v_proj.weight", nkv * D, H);
+  a.o_proj = r.matrix(p + "o_proj.weight", H, nq * D);
+  a.q_norm = r.norm(p + "q_norm.weight", D);
+  a.k_norm = r.norm(p + "k_norm.weight", D);
+  return a;
+}
+
+DeltaNetWeights load_delta_net(Resolver& r, const std::string& p, const ModelConfig& c) {
+  const int64_t H = c.hidden_size, Hv = c.linear_num_value_heads, Dv = c.linear_value_head_dim;
+  const int64_t conv_dim = c.conv_dim(), Kc = c.linear_conv_kernel_dim;
+  DeltaNetWeights d;
+  d.in_proj_qkv = r.matrix(p + "in_proj_qkv.weight", conv_dim, H);
+  d.in_proj_z = r.matrix(p + "in_proj_z.weight", Hv * Dv, H);
+  d.in_proj_b = r.matrix(p + "in_proj_b.weight", Hv, H);
+  d.in_proj_a = r.matrix(p + "in_proj_a.weight", Hv, H);
+  d.out_proj = r.matrix(p + "out_proj.weight", H, Hv * Dv);
+  d.conv1d = r.vector(p + "conv1d.weight", {conv_dim, 1, Kc});
+  d.a_log = r.vector(p + "A_log", {Hv});
+  d.dt_bias = r.vector(p + "dt_bias", {Hv});
+  d.norm = r.vector(p + "norm.weight", {Dv});  // plain w: RMSNormGated is not zero-centered (§2.1)
+  return d;
+}
+
+MlpWeights load_mlp(Resolver& r, const std::string& p, const ModelConfig& c) {
+  MlpWeights m;
+  m.gate_proj = r.matrix(p + "gate_proj.weight", c.intermediate_size, c.hidden_size);
+  m.up_proj = r.matrix(p + "up_proj.weight", c.intermediate_size, c.hidden_size);
+  m.down_proj = r.matrix(p + "down_proj.weight", c.hidden_size, c.intermediate_size);
+  return m;
+}
+
+}  // namespace
+
+ModelWeights load_model_weights(const TensorStore& store, const ModelConfig& c, float norm_offset) {
+  Resolver r(store, norm_offset);
+  const std::string& P = c.tensor_prefix;
+  ModelWeights w;
+  w.embed_tokens = r.matrix(P + "embed_tokens.weight", c.vocab_size, c.hidden_size);
+  // Tied when the config says so or when the checkpoint simply has no lm_head (§1.1).
+  if (store.find("lm_head.weight") != nullptr && !c.tie_word_embeddings) {
+    w.lm_head = r.matrix("lm_head.weight", c.vocab_size, c.hidden_size);
+  } else {
+    w.lm_head = w.embed_tokens;
+    w.tied = true;
+  }
+  w.final_norm = r.norm(P + "norm.weight", c.hidden_size);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = P + "layers." + std::to_string(i) + ".";
+    LayerWeights layer;
+    layer.type = c.layer_types[static_cast<size_t>(i)];
+    layer.input_norm = r.norm(p + "input_layernorm.weight", c.hidden_size);
+    layer.post_attn_norm = r.norm(p + "post_attention_layernorm.weight", c.hidden_size);
+    if (layer.type == LayerType::kFullAttention) {
+      layer.attention = load_attention(r, p + "self_attn.", c);
+    } else {
+      layer.delta_net = load_delta_net(r, p + "linear_attn.", c);
+    }
+    layer.mlp = load_mlp(r, p + "mlp.", c);
+    w.layers.push_back(std::move(layer));
+  }
+  w.matrix_bytes = r.bytes();
+  return w;
+}
+
+namespace {
+
+// Fills `n` bf16 values with N(0, std^2) deterministically (per-chunk seeds, so threads give the same data).
+cpu::WeightMatrix random_matrix(SyntheticStorage& s, uint64_t seed, int64_t rows, int64_t cols, float stddev) {
+  const int64_t n = rows * cols;
+  auto buffer = std::make_unique<uint16_t[]>(static_cast<size_t>(n));
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  uint16_t* data = buffer.get();
+#pragma omp parallel for schedule(static)
+  for (int64_t ci = 0; ci < chunks; ++ci) {
+    std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(ci));
+    std::normal_distribution<float> dist(0.0f, stddev);
+    const int64_t end = std::min(n, (ci + 1) * kChunk);
+    for (int64_t i = ci * kChunk; i < end; ++i) data[i] = f32_to_bf16(dist(rng));
+  }
+  cpu::WeightMatrix w{cpu::WeightType::kBF16, data, rows, cols};
+  s.buffers.push_back(std::move(buffer));
+  return w;
+}
+
+std::vector<float> random_vector(std::mt19937_64& rng, int64_t n, float mean, float stddev) {
+  std::normal_distribution<float> dist(mean, stddev);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+}  // namespace
+
+ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, SyntheticStorage& s) {
+  std::mt19937_64 rng(seed);
+  uint64_t next = seed * 1000003ull;
+  auto mat = [&](int64_t rows, int64_t cols) {
+    return random_matrix(s, ++next, rows, cols, 1.0f / std::sqrt(static_cast<float>(cols)));
+  };
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
+  ModelWeights w;
+  w.embed_tokens = random_matrix(s, ++next, c.vocab_size, H, 1.0f);
+  w.lm_head = c.tie_word_embeddings ? w.embed_tokens : mat(c.vocab_size, H);
+  w.tied = c.tie_word_embeddings;
+  w.final_norm = random_vector(rng, H, 1.0f, 0.1f);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    LayerWeights layer;
+    layer.type = c.layer_types[static_cast<size_t>(i)];
+    layer.input_norm = random_vector(rng, H, 1.0f, 0.1f);
+    layer.post_attn_norm = random_vector(rng, H, 1.0f, 0.1f);
+    if (layer.type == LayerType::kFullAttention) {
+      AttentionWeights a;
+      a.q_proj = mat(c.num_attention_heads * 2 * D, H);
+      a.k_proj = mat(c.num_kv_heads * D, H);
+      a.v_proj = mat(c.num_kv_heads * D, H);
+      a.o_proj = mat(H, c.num_attention_heads * D);
+      a.q_norm = random_vector(rng, D, 1.0f, 0.1f);
+      a.k_norm = random_vector(rng, D, 1.0f, 0.1f);
+      layer.attention = std::move(a);
+    } else {
+      const int64_t Hv = c.linear_num_value_heads, Dv = c.linear_value_head_dim;
+      DeltaNetWeights d;
+      d.in_proj_qkv = mat(c.conv_dim(), H);
+      d.in_proj_z = mat(Hv * Dv, H);
+      d.in_proj_b = mat(Hv, H);
+      d.in_proj_a = mat(Hv, H);
+      d.out_proj = mat(H, Hv * Dv);
+      d.conv1d = random_vector(rng, c.conv_dim() * c.linear_conv_kernel_dim, 0.0f, 0.3f);
+      d.a_log = random_vector(rng, Hv, 0.0f, 0.5f);
+      d.dt_bias = random_vector(rng, Hv, 0.0f, 0.5f);
+      d.norm = random_vector(rng, Dv, 1.0f, 0.1f);
+      layer.delta_net = std::move(d);
+    }
+    layer.mlp.gate_proj = mat(I, H);
+    layer.mlp.up_proj = mat(I, H);
+    layer.mlp.down_proj = mat(H, I);
+    w.layers.push_back(std::move(layer));
+  }
+  w.matrix_bytes = 0;
+  auto bytes = [](const cpu::WeightMatrix& m) { return m.rows * m.cols * 2; };
+  w.matrix_bytes += bytes(w.embed_tokens) + (w.tied ? 0 : bytes(w.lm_head));
+  for (const LayerWeights& l : w.layers) {
+    if (l.attention) w.matrix_bytes += bytes(l.attention->q_proj) + bytes(l.attention->k_proj) + bytes(l.attention->v_proj) + bytes(l.attention->o_proj);
+    if (l.delta_net) w.matrix_bytes += bytes(l.delta_net->in_proj_qkv) + bytes(l.delta_net->in_proj_z) + bytes(l.delta_net->in_proj_b) + bytes(l.delta_net->in_proj_a) + bytes(l.delta_net->out_proj);
+    w.matrix_bytes += bytes(l.mlp.gate_proj) + bytes(l.mlp.up_proj) + bytes(l.mlp.down_proj);
+  }
+  return w;
+}
+
+}  // namespace mtpx

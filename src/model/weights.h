@@ -1,0 +1,80 @@
+// The tensors of a Qwen3.5 text model, resolved from a checkpoint by name with their shapes checked
+// (the tensor manifest). Matrices are views into the memory-mapped files (or into buffers a synthetic
+// model owns): one copy of every weight. Norm vectors and the other per-channel parameters are small and
+// are widened to float32 at load, with the zero-centered norms' "+1" folded in.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/matmul.h"
+#include "io/model_config.h"
+
+namespace mtpx {
+
+class TensorStore;
+
+// Gated full attention (§3).
+struct AttentionWeights {
+  cpu::WeightMatrix q_proj;  // [nq * 2D, H]  per head [query(D) | gate(D)]
+  cpu::WeightMatrix k_proj;  // [nkv * D, H]
+  cpu::WeightMatrix v_proj;  // [nkv * D, H]
+  cpu::WeightMatrix o_proj;  // [H, nq * D]
+  std::vector<float> q_norm;  // [D]  1 + w
+  std::vector<float> k_norm;  // [D]  1 + w
+};
+
+// Gated DeltaNet (§4).
+struct DeltaNetWeights {
+  cpu::WeightMatrix in_proj_qkv;  // [conv_dim, H]  rows [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]
+  cpu::WeightMatrix in_proj_z;    // [Hv * Dv, H]
+  cpu::WeightMatrix in_proj_b;    // [Hv, H]
+  cpu::WeightMatrix in_proj_a;    // [Hv, H]
+  cpu::WeightMatrix out_proj;     // [H, Hv * Dv]
+  std::vector<float> conv1d;      // [conv_dim, Kc]  depthwise; [c][Kc-1] multiplies the current token
+  std::vector<float> a_log;       // [Hv]
+  std::vector<float> dt_bias;     // [Hv]
+  std::vector<float> norm;        // [Dv]  plain w (RMSNormGated)
+};
+
+// SwiGLU MLP (§5).
+struct MlpWeights {
+  cpu::WeightMatrix gate_proj;  // [I, H]
+  cpu::WeightMatrix up_proj;    // [I, H]
+  cpu::WeightMatrix down_proj;  // [H, I]
+};
+
+struct LayerWeights {
+  LayerType type = LayerType::kLinearAttention;
+  std::vector<float> input_norm;      // [H]  1 + w
+  std::vector<float> post_attn_norm;  // [H]  1 + w
+  std::optional<AttentionWeights> attention;  // full-attention layers
+  std::optional<DeltaNetWeights> delta_net;   // linear-attention layers
+  MlpWeights mlp;
+};
+
+struct ModelWeights {
+  cpu::WeightMatrix embed_tokens;  // [V, H]
+  cpu::WeightMatrix lm_head;       // [V, H]  == embed_tokens when tied
+  bool tied = false;
+  std::vector<float> final_norm;  // [H]  1 + w
+  std::vector<LayerWeights> layers;
+  int64_t matrix_bytes = 0;  // bytes of all matrices (each counted once)
+};
+
+// Resolves every tensor of the trunk from `store` and checks its shape and dtype against `config`.
+// Errors name the tensor, the expected and the found shape. `norm_offset` is what the checkpoint's
+// zero-centered norms need added (1 for Hugging Face checkpoints).
+ModelWeights load_model_weights(const TensorStore& store, const ModelConfig& config, float norm_offset = 1.0f);
+
+// Random weights with `config`'s shapes (bf16 matrices), for benchmarks at real scale without a download.
+// The returned buffers own the data the views point into.
+struct SyntheticStorage {
+  std::vector<std::unique_ptr<uint16_t[]>> buffers;
+};
+ModelWeights make_synthetic_weights(const ModelConfig& config, uint64_t seed, SyntheticStorage& storage);
+
+}  // namespace mtpx
