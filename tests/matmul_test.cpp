@@ -1,0 +1,100 @@
+#include "backend/cpu/matmul.h"
+
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "util/bf16.h"
+
+namespace mtpx::cpu {
+namespace {
+
+struct Matrix {
+  std::vector<uint16_t> half;  // bf16 or f16 storage
+  std::vector<float> full;     // f32 storage
+  WeightMatrix view;
+};
+
+Matrix make_matrix(WeightType type, int64_t rows, int64_t cols, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  Matrix m;
+  const size_t n = static_cast<size_t>(rows * cols);
+  if (type == WeightType::kF32) {
+    m.full.resize(n);
+    for (float& x : m.full) x = dist(rng);
+    m.view = {type, m.full.data(), rows, cols};
+  } else {
+    m.half.resize(n);
+    for (uint16_t& x : m.half) x = type == WeightType::kBF16 ? f32_to_bf16(dist(rng)) : f32_to_f16(dist(rng));
+    m.view = {type, m.half.data(), rows, cols};
+  }
+  return m;
+}
+
+std::vector<float> random_vector(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+class MatmulTest : public ::testing::TestWithParam<WeightType> {};
+
+TEST_P(MatmulTest, MatchesDoubleReference) {
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {13, 16}, {33, 100}, {64, 257}, {17, 1024}}) {
+    Matrix w = make_matrix(GetParam(), rows, cols, 1);
+    for (int64_t m : {1, 3, 4, 5, 37}) {
+      auto x = random_vector(static_cast<size_t>(m * cols), 2);
+      std::vector<float> y(static_cast<size_t>(m * rows)), ref(y.size());
+      matmul(w.view, x.data(), m, y.data());
+      matmul_reference(w.view, x.data(), m, ref.data());
+      for (size_t i = 0; i < y.size(); ++i)
+        ASSERT_NEAR(y[i], ref[i], 1e-5 * std::sqrt(static_cast<double>(cols)) + 1e-6 * std::abs(ref[i]))
+            << "rows=" << rows << " cols=" << cols << " m=" << m << " i=" << i;
+    }
+  }
+}
+
+// The property greedy MTP relies on: a row's result is bit-identical whether it is computed alone or
+// together with other rows (any M, any position inside the batch, any thread count).
+TEST_P(MatmulTest, BatchInvariantBitwise) {
+  const int64_t rows = 75, cols = 300;
+  Matrix w = make_matrix(GetParam(), rows, cols, 3);
+  const int64_t max_m = 11;
+  auto x = random_vector(static_cast<size_t>(max_m * cols), 4);
+  std::vector<float> single(static_cast<size_t>(max_m * rows));
+  for (int64_t r = 0; r < max_m; ++r) matmul(w.view, &x[static_cast<size_t>(r * cols)], 1, &single[static_cast<size_t>(r * rows)]);
+  const int saved_threads = omp_get_max_threads();
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    for (int64_t start = 0; start < 3; ++start) {
+      for (int64_t m = 1; start + m <= max_m; ++m) {
+        std::vector<float> y(static_cast<size_t>(m * rows));
+        matmul(w.view, &x[static_cast<size_t>(start * cols)], m, y.data());
+        ASSERT_EQ(0, std::memcmp(y.data(), &single[static_cast<size_t>(start * rows)], y.size() * sizeof(float)))
+            << "threads=" << threads << " start=" << start << " m=" << m;
+      }
+    }
+  }
+  omp_set_num_threads(saved_threads);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllTypes, MatmulTest, ::testing::Values(WeightType::kF32, WeightType::kF16, WeightType::kBF16));
+
+TEST(Bf16, RoundTripAndRounding) {
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.0f)), 1.0f);
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(-2.5f)), -2.5f);
+  // 1 + 2^-8 is exactly halfway between two bf16 values: ties go to even (1.0).
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.0f + 0x1.0p-8f)), 1.0f);
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.0f + 0x1.8p-8f)), 1.0f + 0x1.0p-7f);
+  EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(NAN))));
+}
+
+}  // namespace
+}  // namespace mtpx::cpu

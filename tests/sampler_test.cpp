@@ -1,0 +1,108 @@
+#include "decode/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "util/error.h"
+
+namespace mtpx {
+namespace {
+
+std::vector<double> softmax(const std::vector<float>& logits, double t) {
+  std::vector<double> p(logits.size());
+  double mx = -1e300, s = 0;
+  for (float l : logits) mx = std::max(mx, l / t);
+  for (size_t i = 0; i < logits.size(); ++i) s += (p[i] = std::exp(logits[i] / t - mx));
+  for (double& x : p) x /= s;
+  return p;
+}
+
+TEST(Sampler, GreedyIsOneHotArgmaxWithLowestIdOnTies) {
+  std::vector<float> logits = {0.5f, 2.0f, -1.0f, 2.0f};
+  TokenDistribution d = truncate(logits, {.temperature = 0.0}, 4);
+  ASSERT_EQ(d.ids.size(), 1u);
+  EXPECT_EQ(d.ids[0], 1);
+  EXPECT_EQ(d.probs[0], 1.0f);
+  // Ids past the vocabulary limit are never chosen.
+  EXPECT_EQ(argmax(std::vector<float>{0.0f, 1.0f, 9.0f}, 2), 1);
+}
+
+TEST(Sampler, TemperatureOnlyIsTheFullSoftmax) {
+  std::vector<float> logits = {1.0f, 2.0f, 3.0f, 0.0f};
+  TokenDistribution d = truncate(logits, {.temperature = 0.5}, 4);
+  auto p = softmax(logits, 0.5);
+  ASSERT_EQ(d.ids.size(), 4u);
+  EXPECT_EQ(d.ids[0], 2);
+  for (size_t i = 0; i < d.ids.size(); ++i) EXPECT_NEAR(d.probs[i], p[static_cast<size_t>(d.ids[i])], 1e-6);
+}
+
+TEST(Sampler, TopKKeepsTiesAtTheBoundary) {
+  std::vector<float> logits = {5.0f, 1.0f, 3.0f, 3.0f, -2.0f};
+  TokenDistribution d = truncate(logits, {.temperature = 1.0, .top_k = 2}, 5);
+  // The 2nd largest logit is 3.0, shared by ids 2 and 3: both stay (transformers' TopKLogitsWarper).
+  ASSERT_EQ(d.ids, (std::vector<int32_t>{0, 2, 3}));
+  const double z = std::exp(5.0) + 2 * std::exp(3.0);
+  EXPECT_NEAR(d.probs[0], std::exp(5.0) / z, 1e-6);
+  EXPECT_NEAR(d.probs[1], std::exp(3.0) / z, 1e-6);
+}
+
+TEST(Sampler, TopPKeepsTheSmallestPrefixReachingP) {
+  // probabilities 0.5, 0.3, 0.15, 0.05 (as logits of their logs)
+  std::vector<float> logits = {std::log(0.15f), std::log(0.5f), std::log(0.05f), std::log(0.3f)};
+  EXPECT_EQ(truncate(logits, {.temperature = 1.0, .top_p = 0.5}, 4).ids, (std::vector<int32_t>{1}));
+  EXPECT_EQ(truncate(logits, {.temperature = 1.0, .top_p = 0.79}, 4).ids, (std::vector<int32_t>{1, 3}));
+  TokenDistribution d = truncate(logits, {.temperature = 1.0, .top_p = 0.81}, 4);
+  EXPECT_EQ(d.ids, (std::vector<int32_t>{1, 3, 0}));
+  EXPECT_NEAR(d.probs[0], 0.5 / 0.95, 1e-6);
+  EXPECT_NEAR(d.probs[2], 0.15 / 0.95, 1e-6);
+}
+
+TEST(Sampler, MinPDropsTokensBelowAFractionOfTheTop) {
+  std::vector<float> logits = {std::log(0.5f), std::log(0.3f), std::log(0.15f), std::log(0.05f)};
+  EXPECT_EQ(truncate(logits, {.temperature = 1.0, .min_p = 0.2}, 4).ids, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(truncate(logits, {.temperature = 1.0, .min_p = 0.61}, 4).ids, (std::vector<int32_t>{0}));
+}
+
+TEST(Sampler, OrderIsTemperatureTopKTopPMinP) {
+  // After temperature 2 the probabilities flatten; top-k 3 then top-p 0.6 over the renormalized three.
+  std::vector<float> logits = {4.0f, 3.0f, 2.0f, 1.0f, 0.0f};
+  TokenDistribution d = truncate(logits, {.temperature = 2.0, .top_k = 3, .top_p = 0.6}, 5);
+  auto p = softmax({4.0f, 3.0f, 2.0f}, 2.0);  // 0.506, 0.307, 0.186
+  ASSERT_EQ(d.ids, (std::vector<int32_t>{0, 1}));
+  EXPECT_NEAR(d.probs[0], p[0] / (p[0] + p[1]), 1e-6);
+}
+
+TEST(Sampler, SamplingFollowsTheDistribution) {
+  std::vector<float> logits = {std::log(0.5f), std::log(0.25f), std::log(0.125f), std::log(0.125f)};
+  TokenDistribution d = truncate(logits, {.temperature = 1.0}, 4);
+  Rng rng(42);
+  std::vector<int> counts(4);
+  const int n = 40000;
+  for (int i = 0; i < n; ++i) ++counts[static_cast<size_t>(sample(d, rng))];
+  // Chi-square with 3 degrees of freedom; 16.27 is the 0.999 quantile (false alarm 1e-3, fixed seed).
+  const double expected[] = {0.5, 0.25, 0.125, 0.125};
+  double chi2 = 0;
+  for (int i = 0; i < 4; ++i) chi2 += std::pow(counts[static_cast<size_t>(i)] - n * expected[i], 2) / (n * expected[i]);
+  EXPECT_LT(chi2, 16.27);
+}
+
+TEST(Sampler, SeededRngRepeats) {
+  Rng a(7), b(7), c(8);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(a.uniform(), b.uniform());
+  EXPECT_NE(Rng(7).uniform(), c.uniform());
+}
+
+TEST(Sampler, RejectsBadParameters) {
+  EXPECT_THROW(validate({.temperature = -1.0}), Error);
+  EXPECT_THROW(validate({.temperature = 1.0, .top_k = -3}), Error);
+  EXPECT_THROW(validate({.temperature = 1.0, .top_p = 0.0}), Error);
+  EXPECT_THROW(validate({.temperature = 1.0, .top_p = 1.5}), Error);
+  EXPECT_THROW(validate({.temperature = 1.0, .min_p = 2.0}), Error);
+  EXPECT_NO_THROW(validate({.temperature = 0.7, .top_k = 20, .top_p = 0.95, .min_p = 0.05}));
+}
+
+}  // namespace
+}  // namespace mtpx
