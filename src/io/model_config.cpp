@@ -170,7 +170,8 @@ ModelConfig parse_model_config(const json& root, const std::string& source) {
                   c.linear_num_value_heads, c.linear_num_key_heads);
 
   // RoPE (§3.1): rope_parameters (new) or rope_theta/partial_rotary_factor/rope_scaling at top level (old).
-  double theta = t.number("rope_theta", 1e7, 1.0, 1e12);
+  // Default as transformers' Qwen3_5TextConfig (10000); released checkpoints all state 1e7 explicitly.
+  double theta = t.number("rope_theta", 10000.0, 1.0, 1e12);
   double partial = t.number("partial_rotary_factor", 0.25, 0.0, 1.0);
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     if (!t.has(key)) continue;

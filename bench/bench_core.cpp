@@ -1,0 +1,232 @@
+// Core benchmark: decode and prefill speed of the CPU engine on a randomly initialized model with the
+// real Qwen3.5-0.8B shape (spec §9), next to this machine's measured memory read bandwidth and fp32
+// GEMM rate (OpenBLAS sgemm), plus the verify-cost curve c(K) = time(K+1 rows) / time(1 row).
+//
+//   bench_core [--decode-tokens N] [--prefill-tokens N] [--threads N] [--shape 0.8B|tiny] [--json]
+#include <cblas.h>
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "backend/cpu/matmul.h"
+#include "model/qwen35.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+mtpx::ModelConfig shape_config(const std::string& shape) {
+  mtpx::ModelConfig c;
+  c.architecture = "Qwen3_5ForCausalLM";
+  c.tensor_prefix = "model.";
+  if (shape == "0.8B") {
+    c.vocab_size = 248320, c.hidden_size = 1024, c.intermediate_size = 3584, c.num_layers = 24;
+    c.num_attention_heads = 8, c.num_kv_heads = 2, c.head_dim = 256;
+    c.linear_num_key_heads = 16, c.linear_num_value_heads = 16, c.linear_key_head_dim = 128, c.linear_value_head_dim = 128;
+    c.tie_word_embeddings = true;
+  } else {  // tiny: a smoke-test shape
+    c.vocab_size = 4096, c.hidden_size = 256, c.intermediate_size = 768, c.num_layers = 4;
+    c.num_attention_heads = 4, c.num_kv_heads = 2, c.head_dim = 64;
+    c.linear_num_key_heads = 2, c.linear_num_value_heads = 4, c.linear_key_head_dim = 64, c.linear_value_head_dim = 64;
+    c.tie_word_embeddings = true;
+  }
+  c.linear_conv_kernel_dim = 4;
+  c.rotary_dim = c.head_dim / 4;
+  c.rope_theta = 1e7;
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    c.layer_types.push_back((i + 1) % 4 == 0 ? mtpx::LayerType::kFullAttention : mtpx::LayerType::kLinearAttention);
+  return c;
+}
+
+// Sum of a float array with wide loads and independent accumulators, so the loop is bound by memory,
+// not by the add latency.
+__attribute__((target("avx2"))) float sum_avx2(const float* p, size_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i + 32 <= n; i += 32) {
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
+    a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
+    a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  float s = 0;
+  for (float x : lanes) s += x;
+  return s;
+}
+
+// Best-of-N streaming read of a buffer much larger than the caches, all threads.
+double measure_read_bandwidth() {
+  const size_t n = size_t{1} << 28;  // 1 GiB of floats
+  std::vector<float> buffer(n);
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(i & 7);
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    auto t = Clock::now();
+    float total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+      const size_t threads = static_cast<size_t>(omp_get_num_threads()), me = static_cast<size_t>(omp_get_thread_num());
+      const size_t chunk = n / threads / 32 * 32;
+      total += sum_avx2(buffer.data() + me * chunk, chunk);
+    }
+    const double secs = seconds_since(t);
+    if (total < 0) std::puts("");  // keep the sum alive
+    best = std::max(best, static_cast<double>(n * sizeof(float)) / secs);
+  }
+  return best;
+}
+
+double measure_sgemm_flops() {
+  const int m = 512, n = 4096, k = 4096;
+  std::vector<float> a(static_cast<size_t>(m) * k, 0.5f), b(static_cast<size_t>(k) * n, 0.25f), c(static_cast<size_t>(m) * n);
+  double best = 0;
+  for (int rep = 0; rep < 4; ++rep) {
+    auto t = Clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
+    best = std::max(best, 2.0 * m * n * k / seconds_since(t));
+  }
+  return best;
+}
+
+// Matmul FLOPs of one token through the trunk (excluding lm_head) plus lm_head rows.
+double matmul_flops(const mtpx::ModelWeights& w, int64_t tokens, int64_t logit_rows) {
+  double per_token = 0;
+  auto add = [&](const mtpx::cpu::WeightMatrix& m) { per_token += 2.0 * static_cast<double>(m.rows * m.cols); };
+  for (const auto& l : w.layers) {
+    if (l.attention) add(l.attention->q_proj), add(l.attention->k_proj), add(l.attention->v_proj), add(l.attention->o_proj);
+    if (l.delta_net)
+      add(l.delta_net->in_proj_qkv), add(l.delta_net->in_proj_z), add(l.delta_net->in_proj_a), add(l.delta_net->in_proj_b), add(l.delta_net->out_proj);
+    add(l.mlp.gate_proj), add(l.mlp.up_proj), add(l.mlp.down_proj);
+  }
+  return per_token * static_cast<double>(tokens) + 2.0 * static_cast<double>(w.lm_head.rows * w.lm_head.cols * logit_rows);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t decode_tokens = 32, prefill_tokens = 512;
+  int threads = 0;
+  std::string shape = "0.8B";
+  bool json = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "error: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--decode-tokens") decode_tokens = std::stoll(value());
+    else if (a == "--prefill-tokens") prefill_tokens = std::stoll(value());
+    else if (a == "--threads") threads = std::stoi(value());
+    else if (a == "--shape") shape = value();
+    else if (a == "--json") json = true;
+    else {
+      std::fprintf(stderr, "error: unknown flag '%s'\n", a.c_str());
+      return 2;
+    }
+  }
+  if (threads > 0) omp_set_num_threads(threads);
+
+  const double bandwidth = measure_read_bandwidth();
+  const double gemm = measure_sgemm_flops();
+  auto t_init = Clock::now();
+  auto model = mtpx::Model::synthetic(shape_config(shape), 1);
+  const double init_s = seconds_since(t_init);
+  const auto& w = model->weights();
+  const double bytes_per_token = static_cast<double>(w.matrix_bytes);
+
+  std::vector<int32_t> prompt(static_cast<size_t>(prefill_tokens));
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919) % 1000);
+  mtpx::ForwardResult r;
+
+  // Prefill (last-row logits, as generation does). One warm-up on a short prompt first.
+  {
+    auto s = model->new_state(64);
+    model->forward(s, std::span<const int32_t>(prompt.data(), 16), mtpx::LogitRows::kLast, r);
+  }
+  auto state = model->new_state(prefill_tokens + decode_tokens + 16);
+  auto t = Clock::now();
+  model->forward(state, prompt, mtpx::LogitRows::kLast, r);
+  const double prefill_s = seconds_since(t);
+  const double prefill_flops = matmul_flops(w, prefill_tokens, 1) / prefill_s;
+
+  // Decode from a 16-token context.
+  auto dstate = model->new_state(16 + decode_tokens + 16);
+  model->forward(dstate, std::span<const int32_t>(prompt.data(), 16), mtpx::LogitRows::kLast, r);
+  int32_t token = 1;
+  model->forward(dstate, std::span<const int32_t>(&token, 1), mtpx::LogitRows::kLast, r);  // warm-up
+  t = Clock::now();
+  for (int64_t i = 0; i < decode_tokens; ++i) {
+    token = static_cast<int32_t>((token * 31 + 7) % 1000);
+    model->forward(dstate, std::span<const int32_t>(&token, 1), mtpx::LogitRows::kLast, r);
+  }
+  const double decode_s = seconds_since(t) / static_cast<double>(decode_tokens);
+  const double decode_bw = bytes_per_token / decode_s;
+
+  // Verify cost: K+1 rows (all logits, as verification needs) vs one decode row, same context length.
+  std::vector<double> verify_cost;
+  for (int64_t k = 1; k <= 4; ++k) {
+    std::vector<int32_t> window(static_cast<size_t>(k + 1), 5);
+    const int reps = std::max<int64_t>(3, decode_tokens / 8);
+    double best_multi = 1e30, best_single = 1e30;
+    for (int rep = 0; rep < reps; ++rep) {
+      auto s1 = model->new_state(32);
+      model->forward(s1, std::span<const int32_t>(prompt.data(), 16), mtpx::LogitRows::kNone, r);
+      auto s2 = model->new_state(32);
+      model->forward(s2, std::span<const int32_t>(prompt.data(), 16), mtpx::LogitRows::kNone, r);
+      auto t1 = Clock::now();
+      model->forward(s1, std::span<const int32_t>(window.data(), 1), mtpx::LogitRows::kAll, r);
+      best_single = std::min(best_single, seconds_since(t1));
+      auto t2 = Clock::now();
+      model->forward(s2, window, mtpx::LogitRows::kAll, r);
+      best_multi = std::min(best_multi, seconds_since(t2));
+    }
+    verify_cost.push_back(best_multi / best_single);
+  }
+
+  nlohmann::json out = {
+      {"shape", shape},
+      {"threads", omp_get_max_threads()},
+      {"simd", mtpx::cpu::simd_path()},
+      {"weight_bytes", bytes_per_token},
+      {"init_seconds", init_s},
+      {"memory_read_gb_s", bandwidth / 1e9},
+      {"sgemm_gflop_s", gemm / 1e9},
+      {"decode_tok_s", 1.0 / decode_s},
+      {"decode_weight_gb_s", decode_bw / 1e9},
+      {"decode_fraction_of_bandwidth", decode_bw / bandwidth},
+      {"prefill_tokens", prefill_tokens},
+      {"prefill_tok_s", static_cast<double>(prefill_tokens) / prefill_s},
+      {"prefill_gflop_s", prefill_flops / 1e9},
+      {"prefill_fraction_of_sgemm", prefill_flops / gemm},
+      {"verify_cost_c1_to_c4", verify_cost},
+  };
+  if (json) {
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  fmt::print("shape {} | threads {} | simd {} | weights {:.0f} MiB (init {:.1f} s)\n", shape, omp_get_max_threads(),
+             mtpx::cpu::simd_path(), bytes_per_token / (1 << 20), init_s);
+  fmt::print("machine: memory read {:.1f} GB/s, OpenBLAS sgemm {:.1f} GFLOP/s\n", bandwidth / 1e9, gemm / 1e9);
+  fmt::print("decode : {:.2f} tok/s, {:.1f} GB/s of weights = {:.0f}% of measured bandwidth\n", 1.0 / decode_s, decode_bw / 1e9,
+             100 * decode_bw / bandwidth);
+  fmt::print("prefill: {} tokens at {:.1f} tok/s, {:.1f} GFLOP/s = {:.0f}% of sgemm\n", prefill_tokens,
+             static_cast<double>(prefill_tokens) / prefill_s, prefill_flops / 1e9, 100 * prefill_flops / gemm);
+  fmt::print("verify cost c(K) = time(K+1 rows)/time(1 row): c(1)={:.2f} c(2)={:.2f} c(3)={:.2f} c(4)={:.2f}\n", verify_cost[0],
+             verify_cost[1], verify_cost[2], verify_cost[3]);
+  return 0;
+}

@@ -1,0 +1,559 @@
+#include "io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
+
+#include "util/error.h"
+
+namespace mtpx {
+
+namespace {
+
+using nlohmann::json;
+
+constexpr uint64_t kMaxHeaderBytes = 100ull * 1024 * 1024;
+constexpr const char* kIndexName = "model.safetensors.index.json";
+
+constexpr std::pair<DType, std::string_view> kDTypeNames[] = {
+    {DType::kF32, "F32"}, {DType::kF16, "F16"}, {DType::kBF16, "BF16"}, {DType::kF64, "F64"},
+    {DType::kI64, "I64"}, {DType::kI32, "I32"}, {DType::kI16, "I16"},   {DType::kI8, "I8"},
+    {DType::kU8, "U8"},   {DType::kU32, "U32"}, {DType::kBool, "BOOL"},
+};
+
+// Text for an error message, kept on one line: control bytes are written as \xNN.
+std::string printable(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte == 0x7f) {
+      out += fmt::format("\\x{:02x}", byte);
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string printable_path(const std::filesystem::path& path) {
+  return printable(std::string_view(path.native()));
+}
+
+[[noreturn]] void bad_file(const std::filesystem::path& file, std::string_view what) {
+  invalid_input("invalid safetensors file '{}': {}", printable_path(file), what);
+}
+
+[[noreturn]] void bad_tensor(const std::filesystem::path& file, std::string_view name,
+                             std::string_view what) {
+  invalid_input("invalid safetensors file '{}': tensor '{}': {}", printable_path(file), printable(name),
+                what);
+}
+
+bool parse_dtype(std::string_view text, DType* dtype) {
+  for (const auto& [value, name] : kDTypeNames) {
+    if (name == text) {
+      *dtype = value;
+      return true;
+    }
+  }
+  return false;
+}
+
+// A JSON value as a non-negative integer (rejects negative numbers, floats and everything else).
+bool as_unsigned(const json& value, uint64_t* out) {
+  if (value.is_number_unsigned()) {
+    *out = value.get<uint64_t>();
+    return true;
+  }
+  if (value.is_number_integer()) {
+    const auto signed_value = value.get<int64_t>();
+    if (signed_value < 0) return false;
+    *out = static_cast<uint64_t>(signed_value);
+    return true;
+  }
+  return false;
+}
+
+// Parses JSON text, rejecting duplicate keys in any object (nlohmann would silently keep the last one).
+// `describe` names the source for messages.
+json parse_json_strict(const char* begin, const char* end, const std::string& describe) {
+  std::vector<std::set<std::string>> seen;  // keys of each open object, innermost last
+  json::parser_callback_t callback = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+        seen.emplace_back();
+        break;
+      case json::parse_event_t::object_end:
+        if (!seen.empty()) seen.pop_back();
+        break;
+      case json::parse_event_t::key: {
+        const auto& key = parsed.get_ref<const std::string&>();
+        if (!seen.empty() && !seen.back().insert(key).second) {
+          invalid_input("{}: duplicate key '{}' in the JSON", describe, printable(key));
+        }
+        break;
+      }
+      default:
+        break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(begin, end, callback);
+  } catch (const json::exception& e) {
+    invalid_input("{}: not valid JSON ({})", describe, printable(e.what()));
+  }
+}
+
+bool is_inside(const std::filesystem::path& dir, const std::filesystem::path& path) {
+  auto [dir_it, path_it] = std::mismatch(dir.begin(), dir.end(), path.begin(), path.end());
+  // A trailing empty component (from "dir/") counts as a match.
+  return dir_it == dir.end() || (std::next(dir_it) == dir.end() && dir_it->empty());
+}
+
+std::filesystem::path resolved(const std::filesystem::path& path) {
+  std::error_code ec;
+  auto result = std::filesystem::weakly_canonical(path, ec);
+  if (ec) invalid_input("cannot resolve '{}': {}", printable_path(path), ec.message());
+  return result;
+}
+
+// A shard name from the index must be a plain file name inside the model directory.
+bool is_plain_file_name(std::string_view name) {
+  return !name.empty() && name.front() != '.' && name.find('/') == std::string_view::npos &&
+         name.find('\\') == std::string_view::npos && name.find('\0') == std::string_view::npos;
+}
+
+class FileCloser {
+ public:
+  explicit FileCloser(std::FILE* file) : file_(file) {}
+  ~FileCloser() {
+    if (file_ != nullptr) std::fclose(file_);
+  }
+  FileCloser(const FileCloser&) = delete;
+  FileCloser& operator=(const FileCloser&) = delete;
+  std::FILE* release() { return std::exchange(file_, nullptr); }
+
+ private:
+  std::FILE* file_;
+};
+
+}  // namespace
+
+std::string_view dtype_name(DType dtype) {
+  for (const auto& [value, name] : kDTypeNames) {
+    if (value == dtype) return name;
+  }
+  return "?";
+}
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kF64:
+    case DType::kI64:
+      return 8;
+    case DType::kF32:
+    case DType::kI32:
+    case DType::kU32:
+      return 4;
+    case DType::kF16:
+    case DType::kBF16:
+    case DType::kI16:
+      return 2;
+    case DType::kI8:
+    case DType::kU8:
+    case DType::kBool:
+      return 1;
+  }
+  return 0;
+}
+
+int64_t TensorView::numel() const {
+  int64_t count = 1;
+  for (int64_t dim : shape) count *= dim;
+  return count;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// MappedFile
+
+MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    fail(err == ENOENT ? ErrorKind::kNotFound : ErrorKind::kInvalidInput, "cannot open '{}': {}",
+         printable_path(path), std::strerror(err));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    invalid_input("cannot stat '{}': {}", printable_path(path), std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    invalid_input("cannot open '{}': not a regular file", printable_path(path));
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ > 0) {
+    void* mapping = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (mapping == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      invalid_input("cannot map '{}': {}", printable_path(path), std::strerror(err));
+    }
+    data_ = static_cast<const std::byte*>(mapping);
+  }
+  ::close(fd);  // the mapping stays valid without the descriptor
+}
+
+MappedFile::~MappedFile() {
+  if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// SafetensorsFile
+
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
+    : file_(std::make_unique<MappedFile>(path)) {
+  const size_t file_size = file_->size();
+  if (file_size < 8) {
+    bad_file(path, fmt::format("file is {} bytes, shorter than the 8-byte header length", file_size));
+  }
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(file_->data()[i]);
+  if (header_len > kMaxHeaderBytes) {
+    bad_file(path,
+             fmt::format("header length {} exceeds the limit of {} bytes", header_len, kMaxHeaderBytes));
+  }
+  if (header_len > file_size - 8) {
+    bad_file(path, fmt::format("header length {} exceeds the {} bytes after the length field", header_len,
+                               file_size - 8));
+  }
+  const auto* header_begin = reinterpret_cast<const char*>(file_->data() + 8);
+  const json header =
+      parse_json_strict(header_begin, header_begin + header_len,
+                        fmt::format("invalid safetensors file '{}': header", printable_path(path)));
+  if (!header.is_object()) bad_file(path, "header is not a JSON object");
+
+  const std::byte* data_section = file_->data() + 8 + header_len;
+  const uint64_t data_size = file_size - 8 - header_len;
+
+  struct Range {
+    uint64_t begin, end;
+    const std::string* name;
+  };
+  std::vector<Range> ranges;
+
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) bad_file(path, "__metadata__ is not a JSON object");
+      for (const auto& [key, value] : entry.items()) {
+        if (!value.is_string()) {
+          bad_file(path, fmt::format("__metadata__ value for '{}' is not a string", printable(key)));
+        }
+        metadata_.emplace(key, value.get<std::string>());
+      }
+      continue;
+    }
+    if (!entry.is_object()) bad_tensor(path, name, "entry is not a JSON object");
+
+    TensorView view;
+    view.name = name;
+    view.file = path;
+
+    const auto dtype_it = entry.find("dtype");
+    if (dtype_it == entry.end() || !dtype_it->is_string())
+      bad_tensor(path, name, "dtype missing or not a string");
+    const auto& dtype_text = dtype_it->get_ref<const std::string&>();
+    if (!parse_dtype(dtype_text, &view.dtype)) {
+      bad_tensor(path, name, fmt::format("unknown dtype '{}'", printable(dtype_text)));
+    }
+
+    const auto shape_it = entry.find("shape");
+    if (shape_it == entry.end() || !shape_it->is_array())
+      bad_tensor(path, name, "shape missing or not an array");
+    uint64_t numel = 1;
+    bool overflow = false;
+    for (const auto& dim_json : *shape_it) {
+      uint64_t dim = 0;
+      if (!as_unsigned(dim_json, &dim) || dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        bad_tensor(path, name,
+                   fmt::format("shape {} is not an array of non-negative integers", shape_it->dump()));
+      }
+      view.shape.push_back(static_cast<int64_t>(dim));
+      overflow = overflow || __builtin_mul_overflow(numel, dim, &numel);
+    }
+    uint64_t nbytes = 0;
+    overflow =
+        overflow || __builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(view.dtype)), &nbytes);
+    if (overflow) bad_tensor(path, name, fmt::format("size of shape {} overflows", shape_it->dump()));
+
+    const auto offsets_it = entry.find("data_offsets");
+    uint64_t begin = 0;
+    uint64_t end = 0;
+    if (offsets_it == entry.end() || !offsets_it->is_array() || offsets_it->size() != 2 ||
+        !as_unsigned((*offsets_it)[0], &begin) || !as_unsigned((*offsets_it)[1], &end) || begin > end) {
+      bad_tensor(path, name,
+                 fmt::format("data_offsets {} is not [begin, end] with 0 <= begin <= end",
+                             offsets_it == entry.end() ? std::string("(missing)") : offsets_it->dump()));
+    }
+    if (end - begin != nbytes) {
+      bad_tensor(path, name,
+                 fmt::format("size mismatch: {} {} needs {} bytes but data_offsets [{}, {}] span {}",
+                             dtype_text, shape_it->dump(), nbytes, begin, end, end - begin));
+    }
+    if (end > data_size) {
+      bad_tensor(
+          path, name,
+          fmt::format("data_offsets [{}, {}] extend beyond the {}-byte data section", begin, end, data_size));
+    }
+    view.data = data_section + begin;
+    view.nbytes = static_cast<size_t>(nbytes);
+    auto [it, inserted] = tensors_.emplace(name, std::move(view));
+    if (!inserted) bad_tensor(path, name, "duplicate tensor name");  // unreachable: duplicates rejected above
+    if (begin != end) ranges.push_back({begin, end, &it->first});
+  }
+
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].begin < ranges[i - 1].end) {
+      bad_tensor(
+          path, *ranges[i].name,
+          fmt::format("data_offsets [{}, {}] overlap tensor '{}' at [{}, {}]", ranges[i].begin, ranges[i].end,
+                      printable(*ranges[i - 1].name), ranges[i - 1].begin, ranges[i - 1].end));
+    }
+  }
+}
+
+const TensorView* SafetensorsFile::find(std::string_view name) const {
+  const auto it = tensors_.find(std::string(name));
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// TensorStore
+
+TensorStore TensorStore::open_directory(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const auto dir_status = fs::status(dir, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory) {
+    invalid_input("cannot access model directory '{}': {}", printable_path(dir), ec.message());
+  }
+  if (!fs::exists(dir_status)) {
+    fail(ErrorKind::kNotFound, "model directory '{}' does not exist", printable_path(dir));
+  }
+  if (!fs::is_directory(dir_status)) invalid_input("model path '{}' is not a directory", printable_path(dir));
+
+  TensorStore store;
+  store.dir_ = dir;
+  const fs::path canonical_dir = resolved(dir);
+
+  // Opens a file of the directory, refusing one that (through symlinks) lives elsewhere.
+  auto add_local = [&](const std::string& file_name) -> const SafetensorsFile& {
+    const fs::path file = dir / file_name;
+    if (!is_inside(canonical_dir, resolved(file))) {
+      invalid_input("'{}' resolves to '{}', outside the model directory '{}'", printable_path(file),
+                    printable_path(resolved(file)), printable_path(canonical_dir));
+    }
+    store.add_file(file);
+    return *store.files_.back();
+  };
+
+  const fs::path index_path = dir / kIndexName;
+  if (fs::exists(index_path, ec)) {
+    const MappedFile index_file(index_path);
+    const auto* text = reinterpret_cast<const char*>(index_file.data());
+    const std::string describe = fmt::format("invalid index '{}'", printable_path(index_path));
+    const json index = parse_json_strict(text, text + index_file.size(), describe);
+    if (!index.is_object()) invalid_input("{}: not a JSON object", describe);
+    const auto map_it = index.find("weight_map");
+    if (map_it == index.end() || !map_it->is_object()) {
+      invalid_input("{}: \"weight_map\" missing or not an object", describe);
+    }
+    if (map_it->empty()) invalid_input("{}: \"weight_map\" is empty", describe);
+
+    std::map<std::string, std::vector<std::string>> by_shard;  // shard -> tensor names it must hold
+    for (const auto& [name, shard_json] : map_it->items()) {
+      if (!shard_json.is_string()) {
+        invalid_input("{}: shard of tensor '{}' is not a string", describe, printable(name));
+      }
+      const auto& shard = shard_json.get_ref<const std::string&>();
+      if (!is_plain_file_name(shard)) {
+        invalid_input("{}: shard name '{}' (tensor '{}') is not a plain file name in the directory", describe,
+                      printable(shard), printable(name));
+      }
+      by_shard[shard].push_back(name);
+    }
+    for (const auto& [shard, names] : by_shard) {
+      if (!fs::is_regular_file(dir / shard, ec)) {
+        invalid_input("shard '{}' listed in {} does not exist in '{}'", printable(shard), kIndexName,
+                      printable_path(dir));
+      }
+      const SafetensorsFile& file = add_local(shard);
+      for (const auto& name : names) {
+        if (file.find(name) == nullptr) {
+          invalid_input("tensor '{}' listed in {} is missing from shard '{}'", printable(name), kIndexName,
+                        printable(shard));
+        }
+      }
+    }
+  } else if (fs::exists(dir / "model.safetensors", ec)) {
+    add_local("model.safetensors");
+  } else {
+    std::vector<std::string> candidates;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      std::error_code entry_ec;
+      if (entry.path().extension() == ".safetensors" && entry.is_regular_file(entry_ec)) {
+        candidates.push_back(entry.path().filename().string());
+      }
+    }
+    if (ec) invalid_input("cannot list '{}': {}", printable_path(dir), ec.message());
+    if (candidates.empty()) invalid_input("no *.safetensors files in '{}'", printable_path(dir));
+    if (candidates.size() > 1) {
+      std::sort(candidates.begin(), candidates.end());
+      invalid_input("{} *.safetensors files in '{}' but no model.safetensors or {} to choose",
+                    candidates.size(), printable_path(dir), kIndexName);
+    }
+    add_local(candidates.front());
+  }
+  return store;
+}
+
+void TensorStore::add_file(const std::filesystem::path& path) {
+  auto file = std::make_unique<SafetensorsFile>(path);
+  for (const auto& [name, view] : file->tensors()) {
+    const auto it = index_.find(name);
+    if (it != index_.end()) {
+      invalid_input("tensor '{}' is in both '{}' and '{}'", printable(name), printable_path(it->second->file),
+                    printable_path(path));
+    }
+  }
+  for (const auto& [name, view] : file->tensors()) index_.emplace(name, &view);
+  files_.push_back(std::move(file));
+}
+
+const TensorView* TensorStore::find(std::string_view name) const {
+  const auto it = index_.find(name);
+  return it == index_.end() ? nullptr : it->second;
+}
+
+const TensorView& TensorStore::get(std::string_view name) const {
+  const TensorView* view = find(name);
+  if (view == nullptr) invalid_input("missing tensor '{}' in '{}'", printable(name), printable_path(dir_));
+  return *view;
+}
+
+std::vector<std::string> TensorStore::names() const {
+  std::vector<std::string> result;
+  result.reserve(index_.size());
+  for (const auto& [name, view] : index_) result.push_back(name);
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Writing
+
+void write_safetensors(const std::filesystem::path& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  uint64_t offset = 0;
+  for (const auto& tensor : tensors) {
+    if (tensor.name == "__metadata__" || header.contains(tensor.name)) {
+      fail(ErrorKind::kInternal, "write_safetensors '{}': duplicate or reserved tensor name '{}'",
+           printable_path(path), printable(tensor.name));
+    }
+    uint64_t numel = 1;
+    bool overflow = false;
+    for (int64_t dim : tensor.shape) {
+      if (dim < 0) {
+        fail(ErrorKind::kInternal, "write_safetensors '{}': tensor '{}' has a negative dimension",
+             printable_path(path), printable(tensor.name));
+      }
+      overflow = overflow || __builtin_mul_overflow(numel, static_cast<uint64_t>(dim), &numel);
+    }
+    uint64_t nbytes = 0;
+    overflow =
+        overflow || __builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(tensor.dtype)), &nbytes);
+    if (overflow || nbytes != tensor.bytes.size()) {
+      fail(ErrorKind::kInternal,
+           "write_safetensors '{}': tensor '{}' has {} bytes, its dtype and shape need {}",
+           printable_path(path), printable(tensor.name), tensor.bytes.size(),
+           overflow ? std::string("more than 2^64") : std::to_string(nbytes));
+    }
+    header[tensor.name] = {{"dtype", std::string(dtype_name(tensor.dtype))},
+                           {"shape", tensor.shape},
+                           {"data_offsets", {offset, offset + nbytes}}};
+    offset += nbytes;
+  }
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+
+  std::string header_text;
+  try {
+    header_text = header.dump();  // keys sorted (nlohmann::json uses std::map)
+  } catch (const json::exception& e) {
+    fail(ErrorKind::kInternal, "write_safetensors '{}': cannot encode the header: {}", printable_path(path),
+         e.what());
+  }
+  header_text.append((8 - (8 + header_text.size()) % 8) % 8, ' ');
+  unsigned char length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(uint64_t{header_text.size()} >> (8 * i));
+
+  const std::filesystem::path tmp_path = path.string() + ".tmp-" + std::to_string(::getpid());
+  std::FILE* raw = std::fopen(tmp_path.c_str(), "wb");
+  if (raw == nullptr) {
+    const int err = errno;
+    fail(err == ENOENT || err == EACCES || err == EROFS || err == ENOTDIR ? ErrorKind::kInvalidInput
+                                                                          : ErrorKind::kInternal,
+         "cannot create '{}': {}", printable_path(tmp_path), std::strerror(err));
+  }
+  FileCloser closer(raw);
+  try {
+    auto write = [&](const void* data, size_t size) {
+      if (size > 0 && std::fwrite(data, 1, size, raw) != size) {
+        fail(ErrorKind::kInternal, "cannot write '{}': {}", printable_path(tmp_path), std::strerror(errno));
+      }
+    };
+    write(length, sizeof(length));
+    write(header_text.data(), header_text.size());
+    for (const auto& tensor : tensors) write(tensor.bytes.data(), tensor.bytes.size());
+    if (std::fflush(raw) != 0 || ::fsync(::fileno(raw)) != 0) {
+      fail(ErrorKind::kInternal, "cannot flush '{}': {}", printable_path(tmp_path), std::strerror(errno));
+    }
+    if (std::fclose(closer.release()) != 0) {
+      fail(ErrorKind::kInternal, "cannot close '{}': {}", printable_path(tmp_path), std::strerror(errno));
+    }
+    if (std::rename(tmp_path.c_str(), path.c_str()) != 0) {
+      fail(ErrorKind::kInternal, "cannot rename '{}' to '{}': {}", printable_path(tmp_path),
+           printable_path(path), std::strerror(errno));
+    }
+  } catch (...) {
+    if (FILE* still_open = closer.release()) std::fclose(still_open);
+    std::error_code ignored;
+    std::filesystem::remove(tmp_path, ignored);
+    throw;
+  }
+  // Make the rename itself durable (best effort).
+  const std::filesystem::path parent = path.parent_path().empty() ? "." : path.parent_path();
+  const int dir_fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);
+    ::close(dir_fd);
+  }
+}
+
+}  // namespace mtpx
