@@ -25,6 +25,10 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-') {
+      std::fprintf(stderr, "error: unknown command '%s' (commands: generate, tokenize, logits; see --help)\n", argv[1]);
+      return 2;
+    }
     std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
   }

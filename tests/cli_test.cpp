@@ -1,0 +1,236 @@
+// End-to-end tests of the `mtpx` program: real runs on the fixture and shipped models, and every kind
+// of bad input giving a one-line `error: ...` and exit code 2.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "io/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace mtpx {
+namespace {
+
+const fs::path kSource = MTPX_SOURCE_DIR;
+const fs::path kFixtures = kSource / "tests" / "fixtures";
+
+struct CommandResult {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs mtpx with `args` (shell-quoted by the caller), capturing stdout and stderr.
+CommandResult run(const std::string& args) {
+  static int counter = 0;
+  const fs::path err_file = fs::temp_directory_path() / ("mtpx_cli_err_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+  const std::string cmd = std::string(MTPX_BINARY) + " " + args + " 2>" + err_file.string();
+  CommandResult r;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  std::array<char, 4096> buffer{};
+  size_t n;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) r.out.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(err_file);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  r.err = ss.str();
+  fs::remove(err_file);
+  return r;
+}
+
+// A bad-input run: exit 2, nothing on stdout, exactly one stderr line "error: ..." containing `needle`.
+void expect_usage_error(const std::string& args, const std::string& needle) {
+  SCOPED_TRACE(args);
+  CommandResult r = run(args);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err.rfind("error: ", 0), 0u) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << "missing '" << needle << "' in: " << r.err;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    static int counter = 0;
+    path_ = fs::temp_directory_path() / ("mtpx_cli_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+// A copy of the single-file fixture whose tensors pass through `edit` (name -> keep?, may change dtype/shape).
+fs::path edited_model(const TempDir& dir, const std::function<bool(TensorToWrite&)>& edit) {
+  const fs::path src = kFixtures / "causal_untied_single_bf16";
+  fs::copy_file(src / "config.json", dir.path() / "config.json");
+  SafetensorsFile file(src / "model.safetensors");
+  std::vector<TensorToWrite> tensors;
+  for (const auto& [name, t] : file.tensors()) {
+    TensorToWrite w{name, t.dtype, t.shape, {t.data, t.nbytes}};
+    if (edit(w)) tensors.push_back(w);
+  }
+  write_safetensors(dir.path() / "model.safetensors", tensors);
+  return dir.path();
+}
+
+std::string ids_of(const TensorView& t) {
+  std::string s;
+  for (size_t i = 0; i < t.nbytes / 4; ++i) {
+    int32_t v;
+    std::memcpy(&v, t.data + i * 4, 4);
+    if (i) s += ',';
+    s += std::to_string(v);
+  }
+  return s;
+}
+
+TEST(Cli, GenerateJsonMatchesTheReferenceGreedyContinuation) {
+  const fs::path model = kFixtures / "wrapper_sharded_tied_bf16";
+  SafetensorsFile ref(model / "reference.safetensors");
+  CommandResult r = run("generate --model " + model.string() + " --prompt-ids " + ids_of(*ref.find("prompt_1")) +
+              " --max-tokens 12 --temperature 0 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  const TensorView& greedy = *ref.find("greedy_1");
+  std::vector<int32_t> want(greedy.nbytes / 4);
+  std::memcpy(want.data(), greedy.data, greedy.nbytes);
+  EXPECT_EQ(j["tokens"].get<std::vector<int32_t>>(), want);
+  EXPECT_EQ(j["stats"]["prompt_tokens"], 11);
+  EXPECT_EQ(j["stats"]["generated_tokens"], 12);
+  for (const char* key : {"prefill_tok_s", "decode_tok_s", "peak_rss_bytes"}) EXPECT_GT(j["stats"][key].get<double>(), 0) << key;
+  EXPECT_TRUE(j["text"].is_string());
+}
+
+TEST(Cli, SeededSamplingRepeatsAndSamplesDiffer) {
+  const std::string base = "generate --model " + (kFixtures / "causal_f16_interval2").string() +
+                           " --prompt-ids 5,6,7 --max-tokens 8 --temperature 1.5 --json";
+  CommandResult a = run(base + " --seed 11"), b = run(base + " --seed 11");
+  ASSERT_EQ(a.code, 0) << a.err;
+  EXPECT_EQ(nlohmann::json::parse(a.out)["tokens"], nlohmann::json::parse(b.out)["tokens"]);
+  CommandResult many = run(base + " --seed 11 --samples 6");
+  ASSERT_EQ(many.code, 0) << many.err;
+  auto list = nlohmann::json::parse(many.out);
+  ASSERT_TRUE(list.is_array());
+  ASSERT_EQ(list.size(), 6u);
+  EXPECT_EQ(list[0]["tokens"], nlohmann::json::parse(a.out)["tokens"]);  // sample i uses seed + i
+  std::set<std::string> distinct;
+  for (const auto& s : list) distinct.insert(s["tokens"].dump());
+  EXPECT_GE(distinct.size(), 3u);
+}
+
+TEST(Cli, LogitsCommandWritesReferenceLogits) {
+  const fs::path model = kFixtures / "causal_untied_single_bf16";
+  SafetensorsFile ref(model / "reference.safetensors");
+  TempDir dir;
+  const fs::path out = dir.path() / "out.safetensors";
+  CommandResult r = run("logits --model " + model.string() + " --prompt-ids " + ids_of(*ref.find("prompt_1")) + " --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  SafetensorsFile got(out);
+  const TensorView& logits = *got.find("logits");
+  const TensorView& want = *ref.find("logits_1");
+  ASSERT_EQ(logits.shape, want.shape);
+  EXPECT_EQ(got.find("hidden")->shape, ref.find("hidden_1")->shape);
+  const auto* a = reinterpret_cast<const float*>(logits.data);
+  const auto* b = reinterpret_cast<const float*>(want.data);
+  double diff = 0, scale = 0;
+  for (int64_t i = 0; i < logits.numel(); ++i) diff = std::max(diff, double(std::abs(a[i] - b[i]))), scale = std::max(scale, double(std::abs(b[i])));
+  EXPECT_LT(diff / scale, 1e-3);
+}
+
+TEST(Cli, ShippedModelStreamsTextAndTokenizes) {
+  CommandResult r = run("generate --prompt 'def fibonacci(n):' --max-tokens 16 --seed 1");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(r.out.empty());
+  EXPECT_NE(r.err.find("decode"), std::string::npos) << r.err;  // the speed summary
+  CommandResult t = run("tokenize --text 'hello world' --json");
+  ASSERT_EQ(t.code, 0) << t.err;
+  auto j = nlohmann::json::parse(t.out);
+  EXPECT_FALSE(j["ids"].empty());
+  EXPECT_EQ(j["ids"].size(), j["pieces"].size());
+}
+
+TEST(Cli, BadFlagsAreOneLineErrors) {
+  const std::string m = " --model " + (kFixtures / "causal_untied_single_bf16").string();
+  expect_usage_error("generate" + m + " --prompt-ids 1 --max-tokens -5", "--max-tokens");
+  expect_usage_error("generate" + m + " --prompt-ids 1 --temperature abc", "--temperature");
+  expect_usage_error("generate" + m + " --prompt-ids 1 --top-p 2", "--top-p");
+  expect_usage_error("generate" + m + " --prompt-ids 1 --bogus", "bogus");
+  expect_usage_error("generate" + m + " --prompt-ids 1,x,3", "--prompt-ids");
+  expect_usage_error("generate" + m + " --prompt-ids 1,999999", "999999");
+  expect_usage_error("generate" + m + " --prompt-ids 1 --prompt hi", "exactly one");
+  expect_usage_error("generate" + m + " --prompt hi", "tokenizer");
+  expect_usage_error("frobnicate", "frobnicate");
+  expect_usage_error("logits" + m + " --prompt-ids 1", "--out");
+}
+
+TEST(Cli, BadModelDirectoriesAreOneLineErrors) {
+  expect_usage_error("generate --model /nonexistent/model --prompt-ids 1", "/nonexistent/model");
+  {
+    TempDir d;
+    expect_usage_error("generate --model " + d.path().string() + " --prompt-ids 1", "config.json");
+  }
+  {
+    TempDir d;
+    std::ofstream(d.path() / "config.json") << "{ not json";
+    expect_usage_error("generate --model " + d.path().string() + " --prompt-ids 1", "not valid JSON");
+  }
+  {
+    TempDir d;
+    std::ofstream(d.path() / "config.json") << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})";
+    expect_usage_error("generate --model " + d.path().string() + " --prompt-ids 1", "unknown architecture");
+  }
+  {
+    TempDir d;
+    auto dir = edited_model(d, [](TensorToWrite& t) { return t.name != "model.layers.1.linear_attn.A_log"; });
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1", "model.layers.1.linear_attn.A_log");
+  }
+  {
+    TempDir d;
+    std::vector<std::byte> zeros(64 * 16 * 2);
+    auto dir = edited_model(d, [&](TensorToWrite& t) {
+      if (t.name == "model.norm.weight") t.shape = {32}, t.bytes = {zeros.data(), 32 * 2};
+      return true;
+    });
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1", "wrong shape");
+  }
+  {
+    TempDir d;
+    auto dir = edited_model(d, [](TensorToWrite& t) {
+      if (t.name == "model.layers.0.mlp.up_proj.weight") t.dtype = DType::kI16;  // same bytes, integer dtype
+      return true;
+    });
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1", "dtype");
+  }
+  {
+    TempDir d;
+    auto dir = edited_model(d, [](TensorToWrite&) { return true; });
+    // Truncate the file: the header now promises data past the end.
+    fs::resize_file(dir / "model.safetensors", fs::file_size(dir / "model.safetensors") - 100);
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1", "model.safetensors");
+  }
+  {
+    TempDir d;
+    auto dir = edited_model(d, [](TensorToWrite&) { return true; });
+    std::ofstream(dir / "tokenizer.json") << R"({"model": {"type": "Unigram"}})";
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1", "tokenizer.json");
+  }
+}
+
+}  // namespace
+}  // namespace mtpx
