@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "backend/cpu/matmul.h"
 #include "io/model_config.h"
 #include "model/state.h"
 #include "model/weights.h"
@@ -13,7 +14,7 @@ namespace mtpx {
 // Windows of at least this many tokens use the chunked form (§4.3); shorter ones (decode and
 // speculative verify) use the token-recurrent form (§4.2), whose arithmetic per token does not depend
 // on the window length, so a verify row computes exactly what a decode step computes.
-inline constexpr int64_t kDeltaNetChunkedMinTokens = 16;
+inline constexpr int64_t kDeltaNetChunkedMinTokens = cpu::kGemmMinRows;
 inline constexpr int64_t kDeltaNetChunkSize = 64;
 
 enum class DeltaRuleForm { kAuto, kRecurrent, kChunked };

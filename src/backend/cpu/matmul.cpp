@@ -3,11 +3,13 @@
 // GCC 12 reports its own _mm512_undefined_* helpers inside the AVX-512 intrinsics as maybe-uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#include <cblas.h>
 #include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "util/bf16.h"
 
@@ -216,12 +218,46 @@ const TileSet& select_tiles(WeightType type) {
   return tiles_for<WeightType::kBF16>(path());
 }
 
+// Prefill: y = x W^T through sgemm, on blocks of output rows widened to float32 (f32 weights are used
+// in place). A block of kGemmBlockRows x cols floats is small next to the weights and is reused for all M
+// rows, so the widening costs 1/M of the multiply-adds.
+constexpr int64_t kGemmBlockRows = 512;
+
+void matmul_gemm(const WeightMatrix& w, const float* x, int64_t m, float* y) {
+  const int64_t k = w.cols;
+  if (w.type == WeightType::kF32) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(w.rows), static_cast<int>(k),
+                1.0f, x, static_cast<int>(k), static_cast<const float*>(w.data), static_cast<int>(k), 0.0f, y,
+                static_cast<int>(w.rows));
+    return;
+  }
+  std::vector<float> block(static_cast<size_t>(std::min(kGemmBlockRows, w.rows) * k));
+  for (int64_t o0 = 0; o0 < w.rows; o0 += kGemmBlockRows) {
+    const int64_t nb = std::min(kGemmBlockRows, w.rows - o0);
+    const auto* src = static_cast<const uint16_t*>(w.data) + o0 * k;
+    const int64_t n = nb * k;
+    if (w.type == WeightType::kBF16) {
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) block[static_cast<size_t>(i)] = bf16_to_f32(src[i]);
+    } else {
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) block[static_cast<size_t>(i)] = f16_to_f32(src[i]);
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(nb), static_cast<int>(k), 1.0f,
+                x, static_cast<int>(k), block.data(), static_cast<int>(k), 0.0f, y + o0, static_cast<int>(w.rows));
+  }
+}
+
 }  // namespace
 
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   if (m <= 0 || w.rows <= 0) return;
   if (w.cols == 0) {
     std::memset(y, 0, sizeof(float) * static_cast<size_t>(m * w.rows));
+    return;
+  }
+  if (m >= kGemmMinRows) {
+    matmul_gemm(w, x, m, y);
     return;
   }
   const TileSet& set = select_tiles(w.type);

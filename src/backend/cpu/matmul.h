@@ -1,9 +1,13 @@
 // Matrix products of float32 activations with weights in their stored dtype (f32, f16, bf16).
 //
-// Batch invariance (the property that makes greedy MTP lossless): y[m, o] is computed by the same
-// sequence of floating-point operations whatever M is and whichever rows share a tile: the reduction over
-// k runs in fixed lane-blocked order with one accumulator per (m, o), followed by a fixed horizontal sum.
-// Threads split the output features, never the reduction.
+// Batch invariance (the property that makes greedy MTP lossless): for M < kGemmMinRows, y[m, o] is
+// computed by the same sequence of floating-point operations whatever M is and whichever rows share a
+// tile: the reduction over k runs in fixed lane-blocked order with one accumulator per (m, o), followed by
+// a fixed horizontal sum; threads split the output features, never the reduction. Decode (1 row) and
+// speculative verify windows (K+1 <= 9 rows) are therefore bit-identical row by row.
+// Prompt prefill (M >= kGemmMinRows) is compute-bound instead: it widens blocks of weights to float32 and
+// runs OpenBLAS sgemm on them. Its rows agree with the single-row results to float rounding, not bitwise;
+// prefill is the same computation in plain and speculative decoding, so this costs no losslessness.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +15,9 @@
 namespace mtpx::cpu {
 
 enum class WeightType { kF32, kF16, kBF16 };
+
+// Row counts from which matmul switches to the GEMM path (see above).
+inline constexpr int64_t kGemmMinRows = 16;
 
 // A row-major [rows, cols] weight matrix (PyTorch nn.Linear layout: rows = out_features).
 struct WeightMatrix {

@@ -2,6 +2,10 @@
 
 namespace mtpx::cpu {
 
+// The hot inner loops of attention and the delta rule: compiled for AVX2+FMA and for baseline x86-64,
+// picked at load time by the CPU (GCC function multiversioning); one version per machine.
+#define MTPX_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
+
 void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
   float ss = dot(x, x, n);
   const float scale = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -13,7 +17,7 @@ void l2_normalize(float* x, float eps, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= scale;
 }
 
-void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+MTPX_MULTIVERSION void swiglu(const float* gate, const float* up, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
 }
 
@@ -21,7 +25,7 @@ void add_inplace(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
-float dot(const float* a, const float* b, int64_t n) {
+MTPX_MULTIVERSION float dot(const float* a, const float* b, int64_t n) {
   float part[8] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -31,7 +35,7 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-void axpy(float a, const float* x, int64_t n, float* y) {
+MTPX_MULTIVERSION void axpy(float a, const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
