@@ -35,10 +35,10 @@ float load_scalar(const void* data, WeightType type, int64_t index) {
 
 template <WeightType T>
 constexpr int64_t kWeightBytes = T == WeightType::kF32 ? 4 : 2;
-// One prefetch per 64-byte line, this many elements ahead of the loads.
+// One prefetch per 64-byte line, into the rows of the next output tile (the same thread's next tile under
+// the static schedule), one tile ahead of the loads.
 template <WeightType T>
 constexpr int64_t kPrefetchMask = 64 / kWeightBytes<T> - 1;
-constexpr int64_t kPrefetchElements = 1024;
 
 // ---------------------------------------------------------------------------------------------
 // SIMD tiles. A tile computes NR activation rows x NO output features with one vector accumulator
@@ -71,7 +71,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tile_avx512(const 
   for (int64_t k = 0; k < k_vec; k += 16) {
     if ((k & kPrefetchMask<T>) == 0)
       for (int o = 0; o < NO; ++o)
-        _mm_prefetch(wbytes + ((o0 + o) * k_dim + k + kPrefetchElements) * kWeightBytes<T>, _MM_HINT_T0);
+        _mm_prefetch(wbytes + ((o0 + NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
     __m512 wv[NO];
     for (int o = 0; o < NO; ++o) wv[o] = load16<T>(w.data, (o0 + o) * k_dim + k);
     for (int r = 0; r < NR; ++r) {
@@ -121,11 +121,11 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const WeightMatrix& w, c
     for (int o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
   const char* wbytes = static_cast<const char*>(w.data);
   for (int64_t k = 0; k < k_vec; k += 8) {
-    // Software prefetch a fixed distance ahead in each weight row: a tile reads NO interleaved streams,
-    // which the hardware prefetcher follows poorly (measured: 7 -> 10+ GB/s on one core).
+    // Software prefetch of the next tile: a tile reads NO interleaved short streams, which the hardware
+    // prefetcher follows poorly.
     if ((k & kPrefetchMask<T>) == 0)
       for (int o = 0; o < NO; ++o)
-        _mm_prefetch(wbytes + ((o0 + o) * k_dim + k + kPrefetchElements) * kWeightBytes<T>, _MM_HINT_T0);
+        _mm_prefetch(wbytes + ((o0 + NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
     __m256 wv[NO];
     for (int o = 0; o < NO; ++o) wv[o] = load8<T>(w.data, (o0 + o) * k_dim + k);
     for (int r = 0; r < NR; ++r) {
