@@ -25,6 +25,9 @@ Cases (each a directory tests/fixtures/<case>/)
                               Dk 16, Dv 24), OLD flat rope spelling: top-level rope_theta / partial_rotary_factor.
   causal_f16_interval2        text-only layout, float16 storage, full_attention_interval 2 (no layer_types), nested
                               rope_parameters with non-default theta 1e6 and partial_rotary_factor 0.5, Hv == Hk.
+  causal_mtp_untied_f32       text-only layout, float32 storage, untied lm_head, 4 layers with full_attention_interval 2,
+                              nq 2 / nkv 1, rope theta 1e7 / partial_rotary_factor 0.25 (rotary dim 8), 15 random
+                              mtp.* tensors (mtp_num_hidden_layers 1): covers an untied + F32 MTP head.
 
 Every parameter is randomised explicitly (transformers would initialise the (1+w) norm weights to zero, which would
 hide bugs), then rounded to the storage dtype and back, so the float32 reference model uses exactly the stored values:
@@ -42,10 +45,24 @@ reference.safetensors (per case; i = 0, 1, 2 for prompts of length 1, 11, 80 -- 
   decode_logits_{i}  float32 [G, V]   raw logits of each generate step: row 0 = last row of the (cached, chunked)
                                       prefill, rows 1.. = single-token cached decode steps (recurrent GDN path)
   G = 12.
+  Cases with an MTP head (wrapper_sharded_tied_bf16, causal_mtp_untied_f32) also have
+  mtp_logits_{i}     float32 [n-1, V] teacher-forced MTP head: row t (t = 0..n-2) has inputs h_t = hidden_{i}[t],
+                                      token prompt[t+1], RoPE position t, and attends causally over MTP rows 0..t of
+                                      the same pass (its own KV cache); it predicts prompt token t+2. Shape [0, V] for
+                                      the 1-token prompt.
+  mtp_hidden_{i}     float32 [n-1, H] the MTP output hidden RMSNorm1p(u, mtp.norm) of each row (= input of the head)
+  The MTP formula (qwen35_arch.md §6; transformers has no MTP module) is written out above mtp_forward_hf below:
+  e = RMSNorm1p(embed[x_{t+1}], pre_fc_norm_embedding), hh = RMSNorm1p(h_t, pre_fc_norm_hidden),
+  u = concat(e, hh) @ mtp.fc^T (embedding first), one full-attention decoder layer mtp.layers.0 (gated attention, q/k
+  norm, partial RoPE with the trunk's rope parameters, SwiGLU), m = RMSNorm1p(u, mtp.norm), logits = m @ W_head^T
+  (lm_head, or embed_tokens when tied). The written values come from transformers' own Qwen3_5DecoderLayer /
+  Qwen3_5RMSNorm / rotary embedding / causal mask with the stored mtp.* values loaded into them.
 
 Suggested tolerances for an fp32 engine: |logits diff| <= ~1e-4 * max(1, max|logit|) (transformers' own chunked-vs-
 recurrent paths disagree by up to 1.9e-4 abs on the tied case, whose logits reach |35|; ~2e-5 on the others), hidden
-~1e-4; greedy tokens exact (every step has margin >= 0.05).
+~1e-4; greedy tokens exact (every step has margin >= 0.05). mtp_logits / mtp_hidden: the same tolerances (transformers'
+MTP layer run as one causal pass vs row by row through its KV cache disagrees by up to 2.1e-5 on the tied case, whose
+mtp_logits reach |39|; the independent spec implementation agrees to 2.4e-5 there, ~3e-6 on the F32 case).
 
 transformers code paths (5.17.0, without flash-linear-attention / causal-conv1d / kernels installed): the GDN layer
 uses the pure-torch fallbacks torch_chunk_gated_delta_rule (every multi-token call, incl. 1-token prefill) and
@@ -54,8 +71,11 @@ The script prints which implementations were resolved.
 
 Sanity checks printed per case: forward(prompt + greedy[:-1]) logits vs step-by-step decode logits; argmax of decode
 logits vs greedy tokens; lm_head input vs model.norm output; reloading the written directory with from_pretrained
-reproduces the logits; an independent pure-torch implementation written from the spec
-(/work/shared/reference/qwen35_arch.md, token-recurrent GDN) reproduces the logits.
+reproduces the logits (exactly for bf16/f16 storage; the F32 case differs by ~3e-6 on the 1-token prompt because
+from_pretrained memory-maps F32 weights at addresses that are not 64-byte aligned and BLAS then takes another kernel);
+an independent pure-torch implementation written from the spec (/work/shared/reference/qwen35_arch.md, token-recurrent
+GDN) reproduces the logits. For MTP cases: transformers' layer run as one causal pass vs row by row through a
+DynamicCache, and an independent token-by-token spec implementation (spec_mtp) vs the written mtp_* tensors.
 """
 
 from __future__ import annotations
@@ -79,8 +99,8 @@ G_STEPS = 12
 PROMPT_LENGTHS = (1, 11, 80)
 MIN_MARGIN = 0.05  # prompts are redrawn until every greedy step has top1 - top2 >= this (robust to fp32 rounding)
 MAX_PROMPT_DRAWS = 100
-DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
-DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16"}
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Case definitions. `text` holds the text hyper-parameters exactly as they are written to config.json.
@@ -206,6 +226,43 @@ CASES = {
             },
             "tie_word_embeddings": False,
             "dtype": "float16",
+        },
+    ),
+    "causal_mtp_untied_f32": dict(
+        seed=4004,
+        dtype="f32",
+        layout="causal",
+        shards=1,
+        tied=False,
+        mtp=True,
+        text={
+            "vocab_size": 128,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "attention_bias": False,
+            "attn_output_gate": True,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "max_position_embeddings": 4096,
+            "mtp_num_hidden_layers": 1,
+            "mtp_use_dedicated_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000000,
+                "partial_rotary_factor": 0.25,
+            },
+            "tie_word_embeddings": False,
+            "dtype": "float32",
         },
     ),
 }
@@ -537,6 +594,140 @@ def spec_forward(sd: dict, cfg, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# MTP head reference (qwen35_arch.md §6), teacher-forced. transformers has no MTP module, so the reference reuses
+# transformers' own Qwen3_5DecoderLayer (full attention) / Qwen3_5RMSNorm / rotary embedding / causal mask with the
+# mtp.* weights loaded into them; spec_mtp below is an independent token-by-token implementation used as a cross-check.
+#
+#   row t = 0..n-2:  h_t = hidden_{i}[t] (post-final-norm trunk hidden = lm_head input), token x_{t+1} = prompt[t+1],
+#                    RoPE position t, MTP KV slot t (attends causally over MTP rows 0..t of this same pass)
+#   e  = RMSNorm1p(embed_tokens[x_{t+1}], mtp.pre_fc_norm_embedding);  hh = RMSNorm1p(h_t, mtp.pre_fc_norm_hidden)
+#   u  = concat(e, hh) @ mtp.fc.weight^T                        (embedding FIRST, hidden SECOND)
+#   u  = full-attention decoder layer mtp.layers.0.* (same code as the trunk's full-attention layers)
+#   m  = RMSNorm1p(u, mtp.norm)           -> mtp_hidden_{i}[t]
+#   mtp_logits_{i}[t] = m @ W_head^T      (lm_head.weight, or embed_tokens.weight when tied); predicts x_{t+2}
+# ---------------------------------------------------------------------------------------------------------------
+
+MTP_PREFIX = "mtp.layers.0."
+
+
+def mtp_forward_hf(model, mtp_sd: dict, cfg, ids: torch.Tensor, hidden: torch.Tensor,
+                   incremental: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced MTP pass built from transformers modules. model: the float32 Qwen3_5ForCausalLM (shared
+    embed_tokens / lm_head / rotary_emb); mtp_sd: {"mtp.*": float32 tensor} (the stored values); ids [n] long;
+    hidden [n, H] = trunk post-final-norm hidden. Returns (logits [n-1, V], mtp hidden [n-1, H]).
+
+    incremental=False: one causal pass over all n-1 rows (eager attention, transformers' create_causal_mask).
+    incremental=True: one row at a time through a DynamicCache (the MTP layer's own KV cache)."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    dev = hidden.device
+    H, V = cfg.hidden_size, cfg.vocab_size
+    T = ids.shape[0] - 1
+    if T <= 0:
+        return torch.zeros(0, V, device=dev), torch.zeros(0, H, device=dev)
+    lcfg = copy.deepcopy(cfg)
+    lcfg.layer_types = ["full_attention"]
+    lcfg.num_hidden_layers = 1
+    lcfg._attn_implementation = "eager"
+    layer = Qwen3_5DecoderLayer(lcfg, layer_idx=0)
+    assert layer.block_type == "full_attention"
+    layer.load_state_dict({k[len(MTP_PREFIX):]: v for k, v in mtp_sd.items() if k.startswith(MTP_PREFIX)}, strict=True)
+
+    def norm(wname):
+        n = Qwen3_5RMSNorm(H, eps=cfg.rms_norm_eps)
+        n.load_state_dict({"weight": mtp_sd[wname]})
+        return n
+
+    fc = torch.nn.Linear(2 * H, H, bias=False)
+    fc.load_state_dict({"weight": mtp_sd["mtp.fc.weight"]})
+    mods = [layer, fc, norm_e := norm("mtp.pre_fc_norm_embedding.weight"),
+            norm_h := norm("mtp.pre_fc_norm_hidden.weight"), norm_f := norm("mtp.norm.weight")]
+    for mod in mods:
+        mod.float().eval().to(dev)
+
+    e = norm_e(model.model.embed_tokens(ids[1:].to(dev)))  # tokens x_1 .. x_{n-1}
+    hh = norm_h(hidden[:-1])  # hiddens h_0 .. h_{n-2}
+    u = fc(torch.cat([e, hh], dim=-1))[None]  # [1, T, H]
+    pos = torch.arange(T, device=dev)[None]  # [1, T] RoPE positions 0 .. n-2
+    # text-only input: all three M-RoPE axes carry the ordinary token index (as Qwen3_5TextModel.forward does)
+    cos, sin = model.model.rotary_emb(u, pos[None].expand(3, 1, T))
+    if not incremental:
+        mask = create_causal_mask(config=lcfg, inputs_embeds=u, attention_mask=None, past_key_values=None,
+                                  position_ids=pos)
+        assert mask is not None
+        out = layer(u, position_embeddings=(cos, sin), attention_mask=mask, position_ids=pos)
+    else:
+        cache = DynamicCache(config=lcfg)
+        rows = []
+        for t in range(T):  # a single query row attends to the whole cache (slots 0..t): no mask needed
+            rows.append(layer(u[:, t:t + 1], position_embeddings=(cos[:, t:t + 1], sin[:, t:t + 1]),
+                              attention_mask=None, position_ids=pos[:, t:t + 1], past_key_values=cache))
+        assert cache.get_seq_length() == T
+        out = torch.cat(rows, dim=1)
+    m = norm_f(out)[0]
+    return model.lm_head(m), m
+
+
+def spec_mtp(sd: dict, mtp_sd: dict, cfg, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent token-by-token MTP implementation from qwen35_arch.md §6 + §3 with an explicit KV list.
+    sd: float32 trunk state dict (HF names); mtp_sd: float32 mtp.* tensors. Returns (logits [n-1,V], hidden [n-1,H])."""
+    eps = cfg.rms_norm_eps
+    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    rot = int(D * cfg.rope_parameters["partial_rotary_factor"])
+    theta = cfg.rope_parameters["rope_theta"]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+
+    def rms1p(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)
+
+    def rope(x, t):  # [heads, D]; NeoX pairs (i, i + rot/2) within the first rot dims
+        ang = float(t) * inv_freq
+        c, s = ang.cos(), ang.sin()
+        h = rot // 2
+        x1, x2, rest = x[:, :h], x[:, h:rot], x[:, rot:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+
+    def M(n):
+        return mtp_sd["mtp." + n]
+
+    emb = sd["model.embed_tokens.weight"]
+    head = sd.get("lm_head.weight", emb)
+    a = "layers.0.self_attn."
+    f = "layers.0.mlp."
+    kcache, vcache, outs, logits = [], [], [], []
+    for t in range(ids.shape[0] - 1):
+        e = rms1p(emb[ids[t + 1]], M("pre_fc_norm_embedding.weight"))
+        hh = rms1p(hidden[t], M("pre_fc_norm_hidden.weight"))
+        u = torch.cat([e, hh]) @ M("fc.weight").T  # [H]
+        x = rms1p(u, M("layers.0.input_layernorm.weight"))
+        qg = (x @ M(a + "q_proj.weight").T).view(nq, 2 * D)
+        q, gate = qg[:, :D], qg[:, D:].reshape(nq * D)
+        k = (x @ M(a + "k_proj.weight").T).view(nkv, D)
+        v = (x @ M(a + "v_proj.weight").T).view(nkv, D)
+        kcache.append(rope(rms1p(k, M(a + "k_norm.weight")), t))
+        vcache.append(v)
+        q = rope(rms1p(q, M(a + "q_norm.weight")), t)
+        K, Vv = torch.stack(kcache), torch.stack(vcache)  # [t+1, nkv, D]
+        o = torch.empty(nq, D)
+        for j in range(nq):
+            kv = j // (nq // nkv)
+            p = torch.softmax((K[:, kv] @ q[j]) * D ** -0.5, dim=0)
+            o[j] = p @ Vv[:, kv]
+        u = u + (o.reshape(nq * D) * torch.sigmoid(gate)) @ M(a + "o_proj.weight").T
+        x = rms1p(u, M("layers.0.post_attention_layernorm.weight"))
+        u = u + (F.silu(x @ M(f + "gate_proj.weight").T) * (x @ M(f + "up_proj.weight").T)) @ M(f + "down_proj.weight").T
+        m = rms1p(u, M("norm.weight"))
+        outs.append(m)
+        logits.append(m @ head.T)
+    if not outs:
+        return torch.zeros(0, V), torch.zeros(0, H)
+    return torch.stack(logits), torch.stack(outs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Reference computation
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -676,6 +867,27 @@ def run_case(name: str, case: dict, outroot: Path, device: str, spec_check: bool
         ref[f"decode_logits_{i}"] = dlog.cpu().contiguous()
     h1.remove()
     h2.remove()
+
+    mtp_sd = None
+    if case["mtp"]:
+        # the stored mtp.* values (storage dtype -> float32), exactly what an engine reads from the checkpoint
+        mtp_sd = {n: t.float().to(device) for n, t in tensors.items() if n.startswith("mtp.")}
+        assert sorted(mtp_sd) == sorted(mtp_shapes(case["text"])), sorted(mtp_sd)
+        report["mtp_hf_batched_vs_cached"] = 0.0
+        for i, n in enumerate(PROMPT_LENGTHS):
+            ids = ref[f"prompt_{i}"].long().to(device)
+            hid = ref[f"hidden_{i}"].to(device)
+            with torch.no_grad():
+                ml, mh = mtp_forward_hf(model, mtp_sd, cfg, ids, hid)
+                ml2, mh2 = mtp_forward_hf(model, mtp_sd, cfg, ids, hid, incremental=True)
+            assert ml.shape == (n - 1, V) and mh.shape == (n - 1, H)
+            if n > 1:
+                report["mtp_hf_batched_vs_cached"] = max(report["mtp_hf_batched_vs_cached"],
+                                                         float((ml - ml2).abs().max()), float((mh - mh2).abs().max()))
+            ref[f"mtp_logits_{i}"] = ml.float().cpu().contiguous()
+            ref[f"mtp_hidden_{i}"] = mh.float().cpu().contiguous()
+        print(f"  MTP (transformers layer) one causal pass vs DynamicCache row-by-row: max |diff| = "
+              f"{report['mtp_hf_batched_vs_cached']:.2e}")
     # one metadata key only: safetensors serialises the metadata map in random order, which would break byte-identical
     # reruns
     save_file(ref, str(outdir / "reference.safetensors"), metadata={
@@ -698,6 +910,20 @@ def run_case(name: str, case: dict, outroot: Path, device: str, spec_check: bool
         report["spec_max_diff_logits"] = md
         report["spec_max_diff_hidden"] = mh
         print(f"  independent spec implementation: max |logits diff| = {md:.2e}, |hidden diff| = {mh:.2e}")
+        if mtp_sd is not None:
+            msd = {k: v.cpu() for k, v in mtp_sd.items()}
+            md = mh = 0.0
+            for i, n in enumerate(PROMPT_LENGTHS):
+                with torch.no_grad():
+                    lg, hf = spec_mtp(sd, msd, cfg, ref[f"prompt_{i}"].long(), ref[f"hidden_{i}"])
+                assert lg.shape == ref[f"mtp_logits_{i}"].shape and hf.shape == ref[f"mtp_hidden_{i}"].shape
+                if n > 1:
+                    md = max(md, float((lg - ref[f"mtp_logits_{i}"]).abs().max()))
+                    mh = max(mh, float((hf - ref[f"mtp_hidden_{i}"]).abs().max()))
+            report["spec_mtp_max_diff_logits"] = md
+            report["spec_mtp_max_diff_hidden"] = mh
+            print(f"  independent spec MTP implementation: max |mtp_logits diff| = {md:.2e}, "
+                  f"|mtp_hidden diff| = {mh:.2e}")
 
     print(f"  code paths: {json.dumps(report['paths'])}")
     print(f"  output_hidden_states[-1] equals post-norm hidden: {report['hidden_states_last_is_postnorm']}")
@@ -792,7 +1018,10 @@ def main():
     print("\nsanity summary:")
     for name, r in reports.items():
         print(f"  {name}: decode-vs-forward {r['max_decode_vs_forward']:.2e}, reload {r['reload_max_diff']:.2e}, "
-              f"spec {r.get('spec_max_diff_logits', float('nan')):.2e}, min greedy margin {r['min_margin']:.3f}")
+              f"spec {r.get('spec_max_diff_logits', float('nan')):.2e}, min greedy margin {r['min_margin']:.3f}"
+              + (f", MTP spec {r.get('spec_mtp_max_diff_logits', float('nan')):.2e} (logits) "
+                 f"{r.get('spec_mtp_max_diff_hidden', float('nan')):.2e} (hidden), MTP batched-vs-cached "
+                 f"{r['mtp_hf_batched_vs_cached']:.2e}" if "mtp_hf_batched_vs_cached" in r else ""))
 
 
 if __name__ == "__main__":

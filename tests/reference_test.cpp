@@ -11,6 +11,7 @@
 
 #include "decode/generate.h"
 #include "io/safetensors.h"
+#include "model/mtp_head.h"
 #include "model/qwen35.h"
 
 namespace mtpx {
@@ -143,8 +144,31 @@ TEST_P(ReferenceTest, VerifyWindowIsBitwiseEqualToDecodeSteps) {
   }
 }
 
+// Teacher-forced MTP head (spec §6.3): row t from the trunk hidden at t and the prompt token at t+1, at
+// position t, against a PyTorch implementation of the spec built on transformers' decoder layer.
+TEST_P(ReferenceTest, TeacherForcedMtpLogitsMatchThePyTorchHead) {
+  if (reference_->find("mtp_logits_0") == nullptr) GTEST_SKIP() << "no MTP head in this fixture";
+  ASSERT_NE(model_->mtp(), nullptr) << model_->mtp_status().detail;
+  const int64_t V = model_->config().vocab_size, H = model_->config().hidden_size;
+  for (int i = 1; i < 3; ++i) {
+    const std::string s = std::to_string(i);
+    auto prompt = read<int32_t>(*reference_, "prompt_" + s);
+    const int64_t n = static_cast<int64_t>(prompt.size());
+    InferenceState state = model_->new_state(n);
+    ForwardResult r;
+    model_->forward(state, prompt, LogitRows::kNone, r);
+    MtpState head(model_->config(), n);
+    MtpResult m;
+    mtp_forward(*model_, head, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
+                std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll, m);
+    expect_rows_close(m.logits, read<float>(*reference_, "mtp_logits_" + s), V, "mtp logits, prompt " + s);
+    expect_rows_close(m.hidden, read<float>(*reference_, "mtp_hidden_" + s), H, "mtp hidden, prompt " + s);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceTest,
-                         ::testing::Values("wrapper_sharded_tied_bf16", "causal_untied_single_bf16", "causal_f16_interval2"));
+                         ::testing::Values("wrapper_sharded_tied_bf16", "causal_untied_single_bf16", "causal_f16_interval2",
+                                           "causal_mtp_untied_f32"));
 
 }  // namespace
 }  // namespace mtpx

@@ -28,7 +28,22 @@ struct GenerateFlags {
   int threads = 0;
   int64_t samples = 1;
   bool json = false;
+  bool mtp = false;
+  int64_t draft = 1;
 };
+
+nlohmann::json mtp_json(const MtpStats& m) {
+  std::vector<double> by_position;
+  for (size_t i = 0; i < m.drafted_by_position.size(); ++i)
+    by_position.push_back(m.drafted_by_position[i] > 0 ? static_cast<double>(m.accepted_by_position[i]) / static_cast<double>(m.drafted_by_position[i]) : 0.0);
+  return {{"draft", m.draft},
+          {"steps", m.steps},
+          {"drafted", m.drafted},
+          {"accepted", m.accepted},
+          {"acceptance", m.acceptance()},
+          {"acceptance_by_position", by_position},
+          {"mean_accepted_per_step", m.mean_accepted_per_step()}};
+}
 
 nlohmann::json result_json(const GenerateResult& r, const std::string& text) {
   nlohmann::json stats = {{"prompt_tokens", r.stats.prompt_tokens},
@@ -36,6 +51,7 @@ nlohmann::json result_json(const GenerateResult& r, const std::string& text) {
                           {"prefill_tok_s", r.stats.prefill_tok_s()},
                           {"decode_tok_s", r.stats.decode_tok_s()},
                           {"peak_rss_bytes", peak_rss_bytes()}};
+  if (r.stats.mtp.draft > 0) stats["mtp"] = mtp_json(r.stats.mtp);
   return {{"tokens", r.tokens}, {"text", text}, {"finish_reason", r.finish_reason}, {"stats", stats}};
 }
 
@@ -71,6 +87,10 @@ int run_generate(const GenerateFlags& f) {
   if (f.top_p) options.sampler.top_p = *f.top_p;
   if (f.min_p) options.sampler.min_p = *f.min_p;
   validate(options.sampler);
+  if (f.mtp) {
+    if (model->mtp() == nullptr) invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
+    options.draft = f.draft;
+  }
   options.stop_ids = gen.eos_token_ids;
   for (int32_t id : model->config().eos_token_ids) options.stop_ids.push_back(id);
   if (tokenizer) options.vocab_limit = tokenizer->vocab_size();
@@ -104,9 +124,13 @@ int run_generate(const GenerateFlags& f) {
       if (stream) std::fputs(stream->flush().c_str(), stdout);
       std::printf("\n");
       std::fflush(stdout);
-      std::fprintf(stderr, "[prompt %lld tok, prefill %.1f tok/s | generated %lld tok, decode %.1f tok/s | peak RSS %.0f MiB]\n",
+      std::string mtp;
+      if (r.stats.mtp.draft > 0)
+        mtp = fmt::format(" | MTP K={} acceptance {:.1f}%, {:.2f} tokens/step", r.stats.mtp.draft, 100 * r.stats.mtp.acceptance(),
+                          r.stats.mtp.steps > 0 ? static_cast<double>(r.stats.generated_tokens - 1) / static_cast<double>(r.stats.mtp.steps) : 0.0);
+      std::fprintf(stderr, "[prompt %lld tok, prefill %.1f tok/s | generated %lld tok, decode %.1f tok/s%s | peak RSS %.0f MiB]\n",
                    static_cast<long long>(r.stats.prompt_tokens), r.stats.prefill_tok_s(),
-                   static_cast<long long>(r.stats.generated_tokens), r.stats.decode_tok_s(),
+                   static_cast<long long>(r.stats.generated_tokens), r.stats.decode_tok_s(), mtp.c_str(),
                    static_cast<double>(peak_rss_bytes()) / (1 << 20));
     }
   }
@@ -130,6 +154,8 @@ std::function<int()> add_generate_command(CLI::App& app) {
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
   app.add_option("--samples", f->samples, "independent completions to draw")->check(CLI::Range(int64_t{1}, int64_t{100000}));
   app.add_flag("--json", f->json, "print one JSON object (a list with --samples > 1)");
+  app.add_flag("--mtp,!--no-mtp", f->mtp, "speculative decoding with the model's MTP head (default: off)");
+  app.add_option("--draft", f->draft, "MTP draft depth K")->check(CLI::Range(int64_t{1}, kMaxDraft));
   return [f] { return run_generate(*f); };
 }
 

@@ -18,6 +18,25 @@ struct GenerateOptions {
   uint64_t seed = 0;
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
   int64_t vocab_limit = 0;        // 0: the model's vocabulary; else only ids below it are sampled
+  int64_t draft = 0;              // MTP draft depth K (1..8); 0: plain autoregressive decoding
+  // Test and benchmark hook: may replace the head's drafts (given the committed context). A replaced
+  // draft is proposed with a one-hot draft distribution, which keeps the output exact.
+  std::function<void(std::span<const int32_t> context, std::vector<int32_t>& drafts)> draft_hook;
+};
+
+inline constexpr int64_t kMaxDraft = 8;
+
+// Speculative decoding counters (all zero without MTP).
+struct MtpStats {
+  int64_t draft = 0;     // K
+  int64_t steps = 0;     // verify passes
+  int64_t drafted = 0;   // draft tokens proposed
+  int64_t accepted = 0;  // draft tokens accepted
+  std::vector<int64_t> drafted_by_position;   // [K]
+  std::vector<int64_t> accepted_by_position;  // [K]
+
+  double acceptance() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0; }
+  double mean_accepted_per_step() const { return steps > 0 ? static_cast<double>(accepted) / static_cast<double>(steps) : 0.0; }
 };
 
 struct GenerateStats {
@@ -26,9 +45,13 @@ struct GenerateStats {
   double prefill_seconds = 0.0;  // prompt forward pass (includes the first sampled token)
   double decode_seconds = 0.0;   // the remaining forward passes
   int64_t decode_steps = 0;
+  MtpStats mtp;
 
   double prefill_tok_s() const { return prefill_seconds > 0 ? static_cast<double>(prompt_tokens) / prefill_seconds : 0.0; }
-  double decode_tok_s() const { return decode_seconds > 0 ? static_cast<double>(decode_steps) / decode_seconds : 0.0; }
+  // Tokens produced after the first one, per second of decoding (the first comes out of the prefill).
+  double decode_tok_s() const {
+    return decode_seconds > 0 && generated_tokens > 1 ? static_cast<double>(generated_tokens - 1) / decode_seconds : 0.0;
+  }
 };
 
 struct GenerateResult {
@@ -37,7 +60,9 @@ struct GenerateResult {
   GenerateStats stats;
 };
 
-// Calls on_token for each generated id as soon as it is known (for streaming).
+// Calls on_token for each generated id as soon as it is known (for streaming). With options.draft > 0
+// the model's MTP head drafts and the trunk verifies (decode/speculative.h): the output is the same
+// (greedy: token for token; sampled: in distribution).
 GenerateResult generate(const Model& model, std::span<const int32_t> prompt, const GenerateOptions& options,
                         const std::function<void(int32_t)>& on_token = {});
 

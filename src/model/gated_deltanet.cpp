@@ -6,6 +6,7 @@
 
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
+#include "util/error.h"
 
 namespace mtpx {
 
@@ -113,7 +114,7 @@ void delta_rule_chunked(const float* q, const float* k, const float* v, const fl
 }
 
 void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, DeltaNetState& state, const float* h,
-                            int64_t T, float* out, DeltaRuleForm form) {
+                            int64_t T, float* out, DeltaRuleForm form, bool record_window) {
   const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
   const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const int64_t conv_dim = c.conv_dim(), Kc = c.linear_conv_kernel_dim;
@@ -140,6 +141,13 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
       for (int64_t j = 0; j < Kc; ++j) s += w.conv1d[static_cast<size_t>(ch * Kc + j)] * input_row(t + j)[ch];
       xt[ch] = cpu::silu(s);
     }
+  }
+  if (record_window) {
+    DeltaNetWindow& win = state.window;
+    win.tokens = T;
+    win.ssm_before = state.ssm;
+    win.conv_before = state.conv;
+    win.qkv = qkv;
   }
   // New conv state: the last Kc-1 rows of the concatenation.
   {
@@ -168,6 +176,12 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
   }
 
   const bool chunked = form == DeltaRuleForm::kChunked || (form == DeltaRuleForm::kAuto && T >= kDeltaNetChunkedMinTokens);
+  if (record_window) {
+    if (chunked) invalid_input("a recorded (rollback) window must use the recurrent form: {} tokens", T);
+    state.window.x = x;
+    state.window.g = g;
+    state.window.beta = beta;
+  }
   std::vector<float> o(static_cast<size_t>(T * Hv * Dv));  // [T, Hv, Dv]
 #pragma omp parallel for schedule(static) if (Hv > 1 && T * Dk * Dv * Hv >= (1 << 15))
   for (int64_t hv = 0; hv < Hv; ++hv) {
@@ -199,6 +213,38 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
     }
   }
   cpu::matmul(w.out_proj, o.data(), T, out);
+}
+
+void deltanet_rollback(const ModelConfig& c, DeltaNetState& state, int64_t keep) {
+  DeltaNetWindow& win = state.window;
+  if (keep < 0 || keep > win.tokens) invalid_input("rollback to {} tokens of a {}-token window", keep, win.tokens);
+  if (keep == win.tokens) return;  // the state is already the one after the whole window
+  const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
+  const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
+  const int64_t conv_dim = c.conv_dim(), Kc = c.linear_conv_kernel_dim;
+  const int64_t heads_per_key = Hv / Hk;
+  state.ssm = win.ssm_before;
+  // Replay: the same per-token recurrence, so the result is bit-identical to running `keep` tokens.
+  std::vector<float> scratch_o(static_cast<size_t>(keep * Dv));
+  for (int64_t hv = 0; hv < Hv; ++hv) {
+    const int64_t hk = hv / heads_per_key;
+    std::vector<float> gh(static_cast<size_t>(keep)), bh(static_cast<size_t>(keep));
+    for (int64_t t = 0; t < keep; ++t) {
+      gh[static_cast<size_t>(t)] = win.g[static_cast<size_t>(t * Hv + hv)];
+      bh[static_cast<size_t>(t)] = win.beta[static_cast<size_t>(t * Hv + hv)];
+    }
+    delta_rule_recurrent(&win.x[static_cast<size_t>(hk * Dk)], &win.x[static_cast<size_t>(Hk * Dk + hk * Dk)],
+                         &win.x[static_cast<size_t>(2 * Hk * Dk + hv * Dv)], gh.data(), bh.data(), keep, Dk, Dv,
+                         &state.ssm[static_cast<size_t>(hv * Dk * Dv)], scratch_o.data(), conv_dim, conv_dim, Dv);
+  }
+  // Conv state: the last Kc-1 rows of [conv_before ; qkv rows 0..keep-1].
+  for (int64_t r = 0; r < Kc - 1; ++r) {
+    const int64_t src = keep + r;  // index into the concatenation
+    const float* row = src < Kc - 1 ? &win.conv_before[static_cast<size_t>(src * conv_dim)]
+                                    : &win.qkv[static_cast<size_t>((src - (Kc - 1)) * conv_dim)];
+    std::copy_n(row, conv_dim, &state.conv[static_cast<size_t>(r * conv_dim)]);
+  }
+  win.tokens = keep;
 }
 
 }  // namespace mtpx

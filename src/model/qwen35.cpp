@@ -22,6 +22,7 @@ std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
   m->config_ = load_model_config(config_path);
   m->store_ = std::make_unique<TensorStore>(TensorStore::open_directory(dir));
   m->weights_ = load_model_weights(*m->store_, m->config_);
+  m->mtp_ = load_mtp_weights(*m->store_, m->config_, m->mtp_status_);
   return m;
 }
 
@@ -33,7 +34,8 @@ std::unique_ptr<Model> Model::synthetic(const ModelConfig& config, uint64_t seed
   return m;
 }
 
-void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result) const {
+void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
+                    bool record_window) const {
   const ModelConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hidden_size;
@@ -55,7 +57,8 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
     if (layer.type == LayerType::kFullAttention) {
       gated_attention_forward(*layer.attention, c, state.kv(li), p0, normed.data(), T, branch.data());
     } else {
-      gated_deltanet_forward(*layer.delta_net, c, state.delta(li), normed.data(), T, branch.data());
+      gated_deltanet_forward(*layer.delta_net, c, state.delta(li), normed.data(), T, branch.data(), DeltaRuleForm::kAuto,
+                             record_window);
     }
     cpu::add_inplace(x.data(), branch.data(), T * H);
     for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
@@ -79,7 +82,17 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
       cpu::matmul(weights_.lm_head, result.hidden.data(), T, result.logits.data());
       break;
   }
+  if (record_window) state.set_window(p0, T);
   state.advance(T);
+}
+
+void Model::rollback(InferenceState& state, int64_t keep) const {
+  if (keep < 0 || keep > state.window_tokens())
+    invalid_input("rollback to {} tokens of a {}-token window", keep, state.window_tokens());
+  for (int64_t li = 0; li < config_.num_layers; ++li)
+    if (config_.layer_types[static_cast<size_t>(li)] == LayerType::kLinearAttention) deltanet_rollback(config_, state.delta(li), keep);
+  state.set_position(state.window_start() + keep);
+  state.set_window(state.window_start(), keep);
 }
 
 }  // namespace mtpx

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -34,12 +35,22 @@ class Model {
 
   const ModelConfig& config() const { return config_; }
   const ModelWeights& weights() const { return weights_; }
+  // The native MTP head, loaded with the trunk when the checkpoint has one (nullptr otherwise; the
+  // status says why). It shares embed_tokens and lm_head with the trunk: no tensor is held twice.
+  const MtpWeights* mtp() const { return mtp_ ? &*mtp_ : nullptr; }
+  const MtpStatus& mtp_status() const { return mtp_status_; }
   const std::filesystem::path& directory() const { return dir_; }
 
   InferenceState new_state(int64_t capacity) const { return InferenceState(config_, capacity); }
 
-  // Runs `tokens` at positions state.position() .. +T-1, advancing the state.
-  void forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result) const;
+  // Runs `tokens` at positions state.position() .. +T-1, advancing the state. With `record_window`
+  // (T < kGemmMinRows), the pass can afterwards be cut back to any prefix with rollback().
+  void forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
+               bool record_window = false) const;
+
+  // Keeps only the first `keep` tokens of the last recorded window: attention KV is truncated by moving
+  // the position back (later writes overwrite the rest); DeltaNet states are restored and replayed.
+  void rollback(InferenceState& state, int64_t keep) const;
 
  private:
   Model() = default;
@@ -48,6 +59,8 @@ class Model {
   std::filesystem::path dir_;
   std::unique_ptr<TensorStore> store_;          // mapped files the weights point into
   std::unique_ptr<SyntheticStorage> synthetic_;  // or buffers owned by a synthetic model
+  std::optional<MtpWeights> mtp_;
+  MtpStatus mtp_status_;
 };
 
 }  // namespace mtpx

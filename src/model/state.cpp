@@ -25,6 +25,7 @@ InferenceState::InferenceState(const ModelConfig& c, int64_t capacity) : capacit
 
 void InferenceState::reset() {
   position_ = 0;
+  window_start_ = window_tokens_ = 0;
   for (DeltaNetState& d : delta_) {
     std::fill(d.conv.begin(), d.conv.end(), 0.0f);
     std::fill(d.ssm.begin(), d.ssm.end(), 0.0f);

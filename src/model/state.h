@@ -16,10 +16,25 @@ struct KvCache {
   std::vector<float> values;  // [capacity, nkv, D]
 };
 
+// What a recorded forward window keeps to roll back to any prefix of itself (spec §7, the replay
+// option): the state before the window and the window's per-token inputs. Rolling back restores the
+// state and re-applies the kept tokens with the same recurrence, so the result is bit-identical to having
+// run only those tokens. Costs one state copy per window instead of one per position.
+struct DeltaNetWindow {
+  int64_t tokens = 0;
+  std::vector<float> ssm_before;   // [Hv, Dk, Dv]
+  std::vector<float> conv_before;  // [Kc-1, conv_dim]
+  std::vector<float> qkv;          // [T, conv_dim] pre-conv rows (the conv state is made of these)
+  std::vector<float> x;            // [T, conv_dim] post-conv, q/k normalized (the replay reads k and v)
+  std::vector<float> g;            // [T, Hv] log-decay
+  std::vector<float> beta;         // [T, Hv]
+};
+
 // Gated DeltaNet state of one linear-attention layer (§4.1, §4.2).
 struct DeltaNetState {
   std::vector<float> conv;  // [Kc-1, conv_dim]  the last Kc-1 pre-conv qkv rows (zeros at start)
   std::vector<float> ssm;   // [Hv, Dk, Dv]      recurrent state S, float32
+  DeltaNetWindow window;    // filled by a forward pass run with record_window
 };
 
 class InferenceState {
@@ -28,6 +43,9 @@ class InferenceState {
   InferenceState(const ModelConfig& config, int64_t capacity);
 
   int64_t position() const { return position_; }  // tokens already processed
+  // The last forward pass recorded for rollback: its first position and length (0 if none).
+  int64_t window_start() const { return window_start_; }
+  int64_t window_tokens() const { return window_tokens_; }
   int64_t capacity() const { return capacity_; }
   void reset();
 
@@ -35,10 +53,14 @@ class InferenceState {
   KvCache& kv(int64_t layer) { return kv_[static_cast<size_t>(layer)]; }
   DeltaNetState& delta(int64_t layer) { return delta_[static_cast<size_t>(layer)]; }
   void advance(int64_t n) { position_ += n; }
+  void set_window(int64_t start, int64_t tokens) { window_start_ = start, window_tokens_ = tokens; }
+  void set_position(int64_t position) { position_ = position; }
 
  private:
   int64_t capacity_;
   int64_t position_ = 0;
+  int64_t window_start_ = 0;
+  int64_t window_tokens_ = 0;
   std::vector<KvCache> kv_;           // indexed by layer (empty for linear-attention layers)
   std::vector<DeltaNetState> delta_;  // indexed by layer (empty for full-attention layers)
 };

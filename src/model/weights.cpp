@@ -160,6 +160,52 @@ ModelWeights load_model_weights(const TensorStore& store, const ModelConfig& c, 
   return w;
 }
 
+std::optional<MtpWeights> load_mtp_weights(const TensorStore& store, const ModelConfig& c, MtpStatus& status,
+                                           float norm_offset) {
+  const int64_t H = c.hidden_size;
+  // Every tensor a dense one-layer head has (spec §1.2: exactly 15).
+  const std::vector<std::string> required = {
+      "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+      "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight",
+      "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.self_attn.k_proj.weight", "mtp.layers.0.self_attn.v_proj.weight",
+      "mtp.layers.0.self_attn.o_proj.weight", "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.self_attn.k_norm.weight",
+      "mtp.layers.0.mlp.gate_proj.weight", "mtp.layers.0.mlp.up_proj.weight", "mtp.layers.0.mlp.down_proj.weight"};
+  std::vector<std::string> missing;
+  for (const std::string& name : required)
+    if (store.find(name) == nullptr) missing.push_back(name);
+  if (missing.size() == required.size()) {
+    status = {MtpStatus::Kind::kAbsent,
+              c.mtp_num_hidden_layers > 0 ? fmt::format("config declares mtp_num_hidden_layers={} but the checkpoint has no mtp.* tensors", c.mtp_num_hidden_layers)
+                                          : "the checkpoint has no MTP head"};
+    return std::nullopt;
+  }
+  if (!missing.empty()) {
+    std::string names;
+    for (const std::string& n : missing) names += (names.empty() ? "" : ", ") + n;
+    status = {MtpStatus::Kind::kIncomplete, "MTP head is incomplete, missing: " + names};
+    return std::nullopt;
+  }
+  try {
+    Resolver r(store, norm_offset);
+    MtpWeights m;
+    m.fc = r.matrix("mtp.fc.weight", H, 2 * H);
+    m.pre_fc_norm_embedding = r.norm("mtp.pre_fc_norm_embedding.weight", H);
+    m.pre_fc_norm_hidden = r.norm("mtp.pre_fc_norm_hidden.weight", H);
+    m.norm = r.norm("mtp.norm.weight", H);
+    m.layer.type = LayerType::kFullAttention;
+    m.layer.input_norm = r.norm("mtp.layers.0.input_layernorm.weight", H);
+    m.layer.post_attn_norm = r.norm("mtp.layers.0.post_attention_layernorm.weight", H);
+    m.layer.attention = load_attention(r, "mtp.layers.0.self_attn.", c);
+    m.layer.mlp = load_mlp(r, "mtp.layers.0.mlp.", c);
+    m.matrix_bytes = r.bytes();
+    status = {MtpStatus::Kind::kPresent, ""};
+    return m;
+  } catch (const Error& e) {
+    status = {MtpStatus::Kind::kIncompatible, fmt::format("MTP head does not fit the trunk: {}", e.what())};
+    return std::nullopt;
+  }
+}
+
 namespace {
 
 // Fills a bf16 matrix with approximately N(0, std^2) values (Irwin-Hall: a sum of 4 uniforms from

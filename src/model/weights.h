@@ -65,10 +65,32 @@ struct ModelWeights {
   int64_t matrix_bytes = 0;  // bytes of all matrices (each counted once)
 };
 
+// The native MTP head (spec §6.1): fc over [norm(embedding) ; norm(hidden)], one full-attention decoder
+// layer with its own KV cache, a final norm; embed_tokens and lm_head are the trunk's (shared, not copied).
+struct MtpWeights {
+  cpu::WeightMatrix fc;                    // [H, 2H]  input order: embedding first, hidden second
+  std::vector<float> pre_fc_norm_embedding;  // [H]  1 + w
+  std::vector<float> pre_fc_norm_hidden;     // [H]  1 + w
+  std::vector<float> norm;                   // [H]  1 + w  (mtp.norm)
+  LayerWeights layer;                        // mtp.layers.0: full attention + MLP
+  int64_t matrix_bytes = 0;
+};
+
+// What a checkpoint holds of the MTP head.
+struct MtpStatus {
+  enum class Kind { kPresent, kAbsent, kIncomplete, kIncompatible } kind = Kind::kAbsent;
+  std::string detail;  // missing tensor names or the shape mismatch; empty when present
+};
+
 // Resolves every tensor of the trunk from `store` and checks its shape and dtype against `config`.
 // Errors name the tensor, the expected and the found shape. `norm_offset` is what the checkpoint's
 // zero-centered norms need added (1 for Hugging Face checkpoints).
 ModelWeights load_model_weights(const TensorStore& store, const ModelConfig& config, float norm_offset = 1.0f);
+
+// Resolves the `mtp.*` tensors when the checkpoint has them. Never throws for a missing or mismatched head:
+// the status says what is wrong (with the tensor names), and the caller decides whether that is an error.
+std::optional<MtpWeights> load_mtp_weights(const TensorStore& store, const ModelConfig& config, MtpStatus& status,
+                                           float norm_offset = 1.0f);
 
 // Random weights with `config`'s shapes (bf16 matrices), for benchmarks at real scale without a download.
 // The returned buffers own the data the views point into.

@@ -1,0 +1,167 @@
+#include "decode/speculative.h"
+
+#include <algorithm>
+#include <chrono>
+#include <unordered_map>
+
+#include "model/mtp_head.h"
+#include "model/qwen35.h"
+#include "util/error.h"
+
+namespace mtpx {
+
+TokenDistribution residual_distribution(const TokenDistribution& p, const TokenDistribution& q) {
+  std::unordered_map<int32_t, float> q_prob;
+  q_prob.reserve(q.ids.size());
+  for (size_t i = 0; i < q.ids.size(); ++i) q_prob[q.ids[i]] = q.probs[i];
+  TokenDistribution r;
+  double total = 0.0;
+  for (size_t i = 0; i < p.ids.size(); ++i) {
+    auto it = q_prob.find(p.ids[i]);
+    const double diff = static_cast<double>(p.probs[i]) - (it == q_prob.end() ? 0.0 : static_cast<double>(it->second));
+    if (diff > 0.0) {
+      r.ids.push_back(p.ids[i]);
+      r.probs.push_back(static_cast<float>(diff));
+      total += diff;
+    }
+  }
+  if (total <= 0.0) return p;  // p == q: a rejection had probability 0, any token of p is exact
+  for (float& x : r.probs) x = static_cast<float>(x / total);
+  return r;
+}
+
+std::vector<int32_t> accept_drafts(std::span<const int32_t> drafts, std::span<const TokenDistribution> draft_dists,
+                                   std::span<const TokenDistribution> target_dists, Rng& rng) {
+  if (draft_dists.size() != drafts.size() || target_dists.size() != drafts.size() + 1)
+    fail(ErrorKind::kInternal, "accept_drafts: {} drafts, {} draft and {} target distributions", drafts.size(),
+         draft_dists.size(), target_dists.size());
+  std::vector<int32_t> emitted;
+  for (size_t i = 0; i < drafts.size(); ++i) {
+    const double p = target_dists[i].prob(drafts[i]);
+    const double q = draft_dists[i].prob(drafts[i]);  // > 0: the draft was sampled from q
+    if (rng.uniform() * q < p) {                       // u < min(1, p/q), without dividing
+      emitted.push_back(drafts[i]);                    // accepted
+      continue;
+    }
+    emitted.push_back(sample(residual_distribution(target_dists[i], draft_dists[i]), rng));  // recovered
+    return emitted;
+  }
+  emitted.push_back(sample(target_dists.back(), rng));  // bonus
+  return emitted;
+}
+
+GenerateResult generate_speculative(const Model& model, std::span<const int32_t> prompt, const GenerateOptions& options,
+                                    const std::function<void(int32_t)>& on_token) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t K = options.draft;
+  if (K < 1 || K > kMaxDraft) invalid_input("--draft must be in [1, {}], got {}", kMaxDraft, K);
+  if (model.mtp() == nullptr) invalid_input("--mtp: the model has no usable MTP head ({})", model.mtp_status().detail);
+  const ModelConfig& c = model.config();
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const int64_t vocab_limit = options.vocab_limit > 0 ? std::min(options.vocab_limit, V) : V;
+  const int64_t n = static_cast<int64_t>(prompt.size());
+
+  GenerateResult result;
+  result.finish_reason = "length";
+  result.stats.prompt_tokens = n;
+  result.stats.mtp.draft = K;
+  result.stats.mtp.drafted_by_position.assign(static_cast<size_t>(K), 0);
+  result.stats.mtp.accepted_by_position.assign(static_cast<size_t>(K), 0);
+  if (options.max_tokens == 0) return result;
+
+  const int64_t capacity = n + options.max_tokens + K + 2;
+  InferenceState state = model.new_state(capacity);
+  MtpState head_state(c, capacity);
+  Rng rng(options.seed);
+  auto distribution = [&](const float* logits) {
+    return truncate(std::span<const float>(logits, static_cast<size_t>(V)), options.sampler, vocab_limit);
+  };
+  // Emits one token; false once generation is over (stop token or max_tokens).
+  auto emit = [&](int32_t token) {
+    result.tokens.push_back(token);
+    if (on_token) on_token(token);
+    if (std::find(options.stop_ids.begin(), options.stop_ids.end(), token) != options.stop_ids.end()) {
+      result.finish_reason = "stop";
+      return false;
+    }
+    return static_cast<int64_t>(result.tokens.size()) < options.max_tokens;
+  };
+
+  // Prefill the trunk; the first token comes from its last row, exactly as in plain decoding.
+  auto t0 = Clock::now();
+  ForwardResult trunk;
+  model.forward(state, prompt, LogitRows::kLast, trunk);
+  int32_t last = sample(distribution(trunk.logits.data()), rng);
+  // Prefill the head over the prompt (spec §6.3): row t = (h_t, x_{t+1}) at position t, t = 0..n-1.
+  MtpResult head;
+  {
+    std::vector<int32_t> shifted(prompt.begin() + 1, prompt.end());
+    shifted.push_back(last);
+    mtp_forward(model, head_state, trunk.hidden, shifted, 0, LogitRows::kLast, head);
+  }
+  result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  auto t1 = Clock::now();
+  bool going = emit(last);
+  std::vector<int32_t> drafts;
+  std::vector<TokenDistribution> draft_dists, target_dists;
+  while (going) {
+    // Draft d_1..d_k: the first from the head's last row, then chained on the head's own output (§6.3).
+    const int64_t P = state.position();  // position of `last`
+    const int64_t remaining = options.max_tokens - static_cast<int64_t>(result.tokens.size());
+    const int64_t k = std::min(K, remaining - 1);  // never draft past max_tokens
+    drafts.clear();
+    draft_dists.clear();
+    std::vector<float> head_hidden(head.hidden.end() - H, head.hidden.end());
+    for (int64_t i = 0; i < k; ++i) {
+      if (i > 0) {
+        mtp_forward(model, head_state, head_hidden, std::span<const int32_t>(&drafts.back(), 1), P + i - 1, LogitRows::kLast, head);
+        head_hidden.assign(head.hidden.begin(), head.hidden.end());
+      }
+      draft_dists.push_back(distribution(head.logits.data()));
+      drafts.push_back(sample(draft_dists.back(), rng));
+    }
+
+    if (options.draft_hook) {
+      std::vector<int32_t> context(prompt.begin(), prompt.end());
+      context.insert(context.end(), result.tokens.begin(), result.tokens.end());
+      const std::vector<int32_t> proposed = drafts;
+      options.draft_hook(context, drafts);
+      for (size_t i = 0; i < drafts.size(); ++i)
+        if (drafts[i] != proposed[i]) draft_dists[i] = TokenDistribution{{drafts[i]}, {1.0f}};
+    }
+
+    // Verify [last, d_1..d_k] in one trunk pass, recorded so it can be cut back to the accepted prefix.
+    std::vector<int32_t> window{last};
+    window.insert(window.end(), drafts.begin(), drafts.end());
+    model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true);
+    target_dists.clear();
+    for (int64_t i = 0; i <= k; ++i) target_dists.push_back(distribution(&trunk.logits[static_cast<size_t>(i * V)]));
+    const std::vector<int32_t> emitted = accept_drafts(drafts, draft_dists, target_dists, rng);
+    const int64_t accepted = static_cast<int64_t>(emitted.size()) - 1;
+
+    MtpStats& s = result.stats.mtp;
+    ++s.steps;
+    s.drafted += k;
+    s.accepted += accepted;
+    for (int64_t i = 0; i < k; ++i) ++s.drafted_by_position[static_cast<size_t>(i)];
+    for (int64_t i = 0; i < accepted; ++i) ++s.accepted_by_position[static_cast<size_t>(i)];
+
+    // Roll the trunk back to [last, d_1..d_a]; the emitted y is the next step's `last`.
+    model.rollback(state, accepted + 1);
+    for (int32_t token : emitted)
+      if (!(going = emit(token))) break;
+    if (!going) break;
+    last = emitted.back();
+    // Commit the head rows P..P+a from the trunk's hiddens (overwriting draft-time KV); its last row
+    // drafts the next d_1.
+    mtp_forward(model, head_state, std::span<const float>(trunk.hidden.data(), static_cast<size_t>((accepted + 1) * H)), emitted, P,
+                LogitRows::kLast, head);
+  }
+  result.stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
+  result.stats.decode_steps = result.stats.mtp.steps;
+  result.stats.generated_tokens = static_cast<int64_t>(result.tokens.size());
+  return result;
+}
+
+}  // namespace mtpx

@@ -1,0 +1,66 @@
+#include "model/mtp_head.h"
+
+#include "backend/cpu/matmul.h"
+#include "backend/cpu/ops.h"
+#include "model/attention.h"
+#include "model/mlp.h"
+#include "util/error.h"
+
+namespace mtpx {
+
+MtpState::MtpState(const ModelConfig& c, int64_t capacity) : capacity_(capacity) {
+  const size_t n = static_cast<size_t>(capacity * c.num_kv_heads * c.head_dim);
+  kv_.keys.assign(n, 0.0f);
+  kv_.values.assign(n, 0.0f);
+}
+
+void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden, std::span<const int32_t> tokens,
+                 int64_t p0, LogitRows rows, MtpResult& result) {
+  const MtpWeights* head = model.mtp();
+  if (head == nullptr) invalid_input("the model has no MTP head: {}", model.mtp_status().detail);
+  const ModelConfig& c = model.config();
+  const ModelWeights& w = model.weights();
+  const int64_t T = static_cast<int64_t>(tokens.size()), H = c.hidden_size;
+  if (static_cast<int64_t>(hidden.size()) != T * H) invalid_input("mtp_forward: {} hidden values for {} tokens", hidden.size(), T);
+  if (p0 + T > state.capacity()) invalid_input("MTP context overflow: {} positions, capacity {}", p0 + T, state.capacity());
+  const float eps = static_cast<float>(c.rms_norm_eps);
+
+  // u = fc([norm_e(embed(x)) ; norm_h(h)])   (embedding first, hidden second: spec §6.1)
+  std::vector<float> joined(static_cast<size_t>(T * 2 * H));  // [T, 2H]
+  for (int64_t t = 0; t < T; ++t) {
+    float* e = &joined[static_cast<size_t>(t * 2 * H)];
+    cpu::weight_row_to_f32(w.embed_tokens, tokens[static_cast<size_t>(t)], e);
+    cpu::rms_norm(e, head->pre_fc_norm_embedding.data(), eps, H, e);
+    cpu::rms_norm(&hidden[static_cast<size_t>(t * H)], head->pre_fc_norm_hidden.data(), eps, H, e + H);
+  }
+  std::vector<float> x(static_cast<size_t>(T * H)), normed(x.size()), branch(x.size());
+  cpu::matmul(head->fc, joined.data(), T, x.data());
+
+  // One full-attention decoder layer (same code as the trunk's), its own KV cache.
+  const LayerWeights& layer = head->layer;
+  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], layer.input_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
+  gated_attention_forward(*layer.attention, c, state.kv(), p0, normed.data(), T, branch.data());
+  cpu::add_inplace(x.data(), branch.data(), T * H);
+  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
+  mlp_forward(layer.mlp, normed.data(), T, branch.data());
+  cpu::add_inplace(x.data(), branch.data(), T * H);
+
+  result.hidden.resize(static_cast<size_t>(T * H));
+  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], head->norm.data(), eps, H, &result.hidden[static_cast<size_t>(t * H)]);
+  const int64_t V = c.vocab_size;
+  switch (rows) {
+    case LogitRows::kNone:
+      result.logits.clear();
+      break;
+    case LogitRows::kLast:
+      result.logits.resize(static_cast<size_t>(V));
+      cpu::matmul(w.lm_head, &result.hidden[static_cast<size_t>((T - 1) * H)], 1, result.logits.data());
+      break;
+    case LogitRows::kAll:
+      result.logits.resize(static_cast<size_t>(T * V));
+      cpu::matmul(w.lm_head, result.hidden.data(), T, result.logits.data());
+      break;
+  }
+}
+
+}  // namespace mtpx

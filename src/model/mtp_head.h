@@ -1,0 +1,37 @@
+// The native MTP head's forward pass (spec §6). Row t combines the trunk's post-final-norm hidden h_t
+// with the embedding of the token at t+1, runs one full-attention decoder layer at RoPE position t with
+// the head's own KV cache, and predicts the token at t+2 through the shared lm_head.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "model/qwen35.h"
+#include "model/state.h"
+
+namespace mtpx {
+
+// The head's own attention cache, separate from every trunk cache.
+class MtpState {
+ public:
+  MtpState(const ModelConfig& config, int64_t capacity);
+  KvCache& kv() { return kv_; }
+  int64_t capacity() const { return capacity_; }
+
+ private:
+  int64_t capacity_;
+  KvCache kv_;
+};
+
+struct MtpResult {
+  std::vector<float> hidden;  // [T, H]  post-mtp.norm (fed back as the hidden of a chained draft step)
+  std::vector<float> logits;  // [rows, V]
+};
+
+// hidden: [T, H] trunk (or chained head) hiddens; tokens: [T] the tokens at positions p0+1 .. p0+T;
+// rows p0 .. p0+T-1 of the head's KV cache are (over)written. Requires model.mtp().
+void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden, std::span<const int32_t> tokens,
+                 int64_t p0, LogitRows rows, MtpResult& result);
+
+}  // namespace mtpx

@@ -1,0 +1,231 @@
+// MTP speculative decoding: the rejection sampler's math, exact rollback, and end-to-end losslessness
+// (greedy: token for token; sampled: in distribution) on fixture models with a native MTP head.
+#include "decode/speculative.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <random>
+
+#include "decode/generate.h"
+#include "model/qwen35.h"
+#include "util/error.h"
+
+namespace mtpx {
+namespace {
+
+const std::filesystem::path kFixtures = std::filesystem::path(MTPX_SOURCE_DIR) / "tests" / "fixtures";
+const std::filesystem::path kDefaultModel = std::filesystem::path(MTPX_SOURCE_DIR) / "models" / "default";
+
+TokenDistribution dist(std::vector<int32_t> ids, std::vector<float> probs) { return {std::move(ids), std::move(probs)}; }
+
+// Chi-square homogeneity test of two samples over the same categories; categories with few counts are
+// pooled. Returns (statistic, critical value at false-alarm rate 1e-3) via Wilson-Hilferty.
+std::pair<double, double> chi_square_two_sample(const std::map<std::string, int>& a, const std::map<std::string, int>& b) {
+  std::map<std::string, std::pair<double, double>> cells;
+  for (auto& [k, v] : a) cells[k].first += v;
+  for (auto& [k, v] : b) cells[k].second += v;
+  std::vector<std::pair<double, double>> merged;
+  std::pair<double, double> pooled{0, 0};
+  for (auto& [k, v] : cells) {
+    if (v.first + v.second >= 20) merged.push_back(v);
+    else pooled.first += v.first, pooled.second += v.second;
+  }
+  if (pooled.first + pooled.second > 0) merged.push_back(pooled);
+  double na = 0, nb = 0;
+  for (auto& [x, y] : merged) na += x, nb += y;
+  double chi2 = 0;
+  for (auto& [x, y] : merged) {
+    const double total = x + y, ea = total * na / (na + nb), eb = total * nb / (na + nb);
+    chi2 += (x - ea) * (x - ea) / ea + (y - eb) * (y - eb) / eb;
+  }
+  const double df = static_cast<double>(merged.size() - 1), z = 3.0902;  // z_{0.999}
+  const double critical = df * std::pow(1 - 2 / (9 * df) + z * std::sqrt(2 / (9 * df)), 3);
+  return {chi2, critical};
+}
+
+TEST(AcceptDrafts, GreedyIsExactMatchThenTargetArgmax) {
+  Rng rng(1);
+  auto one = [](int32_t id) { return dist({id}, {1.0f}); };
+  // Target argmaxes 5, 6, 7, bonus 8.
+  std::vector<TokenDistribution> target = {one(5), one(6), one(7), one(8)};
+  EXPECT_EQ(accept_drafts(std::vector<int32_t>{5, 6, 7}, std::vector{one(5), one(6), one(7)}, target, rng), (std::vector<int32_t>{5, 6, 7, 8}));
+  EXPECT_EQ(accept_drafts(std::vector<int32_t>{5, 9, 7}, std::vector{one(5), one(9), one(7)}, target, rng), (std::vector<int32_t>{5, 6}));
+  EXPECT_EQ(accept_drafts(std::vector<int32_t>{4, 6, 7}, std::vector{one(4), one(6), one(7)}, target, rng), (std::vector<int32_t>{5}));
+}
+
+TEST(AcceptDrafts, ResidualIsNormalizedPositivePart) {
+  TokenDistribution p = dist({0, 1, 2}, {0.5f, 0.3f, 0.2f});
+  TokenDistribution q = dist({1, 0, 3}, {0.6f, 0.2f, 0.2f});
+  TokenDistribution r = residual_distribution(p, q);
+  // max(p - q, 0) = {0: 0.3, 1: 0, 2: 0.2, 3: 0} -> {0: 0.6, 2: 0.4}
+  ASSERT_EQ(r.ids, (std::vector<int32_t>{0, 2}));
+  EXPECT_NEAR(r.probs[0], 0.6, 1e-6);
+  EXPECT_NEAR(r.probs[1], 0.4, 1e-6);
+}
+
+// The emitted first token is distributed as p whatever q is (the theorem of speculative sampling).
+TEST(AcceptDrafts, FirstTokenFollowsTheTargetDistribution) {
+  TokenDistribution p = dist({0, 1, 2, 3}, {0.4f, 0.3f, 0.2f, 0.1f});
+  TokenDistribution q = dist({3, 2, 1, 4}, {0.5f, 0.2f, 0.2f, 0.1f});  // disagrees with p, even on support
+  Rng rng(2026);
+  const int n = 60000;
+  std::vector<int> counts(5);
+  for (int i = 0; i < n; ++i) {
+    const int32_t d = sample(q, rng);
+    std::vector<int32_t> out = accept_drafts(std::vector<int32_t>{d}, std::vector{q}, std::vector{p, p}, rng);
+    ++counts[static_cast<size_t>(out[0])];
+  }
+  EXPECT_EQ(counts[4], 0);  // never outside p's support
+  double chi2 = 0;
+  for (int i = 0; i < 4; ++i) chi2 += std::pow(counts[static_cast<size_t>(i)] - n * p.probs[static_cast<size_t>(i)], 2) / (n * p.probs[static_cast<size_t>(i)]);
+  EXPECT_LT(chi2, 16.27);  // chi-square, 3 degrees of freedom, false alarm 1e-3
+}
+
+// A recorded window cut back to its first `keep` tokens leaves exactly the state of having run only those.
+TEST(Rollback, RecordedWindowCutBackIsBitwiseExact) {
+  auto model = Model::load(kFixtures / "wrapper_sharded_tied_bf16");
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6};
+  const std::vector<int32_t> window = {10, 20, 30, 40, 50};
+  for (int64_t keep = 1; keep <= 5; ++keep) {
+    InferenceState a = model->new_state(32), b = model->new_state(32);
+    ForwardResult ra, rb;
+    model->forward(a, prompt, LogitRows::kLast, ra);
+    model->forward(b, prompt, LogitRows::kLast, rb);
+    model->forward(a, window, LogitRows::kAll, ra, /*record_window=*/true);
+    model->rollback(a, keep);
+    model->forward(b, std::span<const int32_t>(window.data(), static_cast<size_t>(keep)), LogitRows::kAll, rb);
+    ASSERT_EQ(a.position(), b.position());
+    const int32_t next = 77;
+    model->forward(a, std::span<const int32_t>(&next, 1), LogitRows::kLast, ra);
+    model->forward(b, std::span<const int32_t>(&next, 1), LogitRows::kLast, rb);
+    ASSERT_EQ(0, std::memcmp(ra.logits.data(), rb.logits.data(), ra.logits.size() * sizeof(float))) << "keep " << keep;
+  }
+}
+
+struct LosslessCase {
+  std::filesystem::path model;
+  std::vector<int32_t> prompt;
+};
+
+// Proposes the plain run's own next tokens, corrupting some, so that accept, reject and bonus paths run.
+std::function<void(std::span<const int32_t>, std::vector<int32_t>&)> oracle(const std::vector<int32_t>& truth, size_t prompt_len,
+                                                                             uint64_t seed) {
+  auto rng = std::make_shared<std::mt19937_64>(seed);
+  return [truth, prompt_len, rng](std::span<const int32_t> context, std::vector<int32_t>& drafts) {
+    for (size_t i = 0; i < drafts.size(); ++i) {
+      const size_t index = context.size() - prompt_len + i;
+      if (index < truth.size() && (*rng)() % 10 < 7) drafts[i] = truth[index];
+    }
+  };
+}
+
+TEST(SpeculativeGreedy, IdenticalToPlainDecodingForAllDraftDepths) {
+  std::vector<std::filesystem::path> models = {kFixtures / "wrapper_sharded_tied_bf16", kDefaultModel};
+  if (std::filesystem::exists(kFixtures / "causal_mtp_untied_f32")) models.push_back(kFixtures / "causal_mtp_untied_f32");
+  for (const auto& path : models) {
+    auto model = Model::load(path);
+    ASSERT_NE(model->mtp(), nullptr) << path;
+    std::mt19937 rng(7);
+    for (int64_t prompt_len : {1, 5, 11, 40}) {
+      std::vector<int32_t> prompt;
+      for (int64_t i = 0; i < prompt_len; ++i)
+        prompt.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(std::min<int64_t>(200, model->config().vocab_size - 3))));
+      for (int64_t max_tokens : {1, 2, 7, 24}) {
+        GenerateOptions plain;
+        plain.max_tokens = max_tokens;
+        plain.sampler.temperature = 0.0;
+        const GenerateResult want = generate(*model, prompt, plain);
+        for (int64_t k = 1; k <= 4; ++k) {
+          for (bool with_oracle : {false, true}) {
+            GenerateOptions spec = plain;
+            spec.draft = k;
+            if (with_oracle) spec.draft_hook = oracle(want.tokens, prompt.size(), static_cast<uint64_t>(k));
+            const GenerateResult got = generate(*model, prompt, spec);
+            ASSERT_EQ(got.tokens, want.tokens) << path << " prompt " << prompt_len << " max " << max_tokens << " K=" << k
+                                               << " oracle " << with_oracle;
+            EXPECT_EQ(got.finish_reason, want.finish_reason);
+            if (with_oracle && max_tokens > 7) {
+              EXPECT_GT(got.stats.mtp.accepted, 0);
+            }
+          }
+        }
+      }
+      // A stop token in the middle of an accepted run ends both the same way.
+      GenerateOptions plain;
+      plain.max_tokens = 24;
+      plain.sampler.temperature = 0.0;
+      const GenerateResult free_run = generate(*model, prompt, plain);
+      plain.stop_ids = {free_run.tokens[5]};
+      const GenerateResult want = generate(*model, prompt, plain);
+      ASSERT_EQ(want.finish_reason, "stop");
+      for (int64_t k = 1; k <= 4; ++k) {
+        GenerateOptions spec = plain;
+        spec.draft = k;
+        spec.draft_hook = oracle(free_run.tokens, prompt.size(), 99);
+        const GenerateResult got = generate(*model, prompt, spec);
+        EXPECT_EQ(got.tokens, want.tokens) << "stop, K=" << k;
+        EXPECT_EQ(got.finish_reason, "stop");
+      }
+    }
+  }
+}
+
+// The joint distribution of the first two generated tokens, and the distribution of the fourth (which
+// depends on rollback after rejections), under MTP equal plain sampling, for several sampler settings,
+// with the head's own drafts and with oracle drafts (accept paths).
+TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
+  auto model = Model::load(kFixtures / "wrapper_sharded_tied_bf16");
+  const std::vector<int32_t> prompt = {11, 22, 33};
+  const std::vector<SamplerParams> settings = {{.temperature = 1.0}, {.temperature = 0.7, .top_k = 20, .top_p = 0.95},
+                                               {.temperature = 1.3, .min_p = 0.05}};
+  const int runs = 2500;
+  for (const SamplerParams& sampler : settings) {
+    for (int variant = 0; variant < 2; ++variant) {
+      std::map<std::string, int> plain_counts, spec_counts, plain_fourth, spec_fourth;
+      for (int i = 0; i < runs; ++i) {
+        GenerateOptions o;
+        o.max_tokens = 4;
+        o.sampler = sampler;
+        o.seed = static_cast<uint64_t>(i);
+        auto a = generate(*model, prompt, o);
+        plain_counts[std::to_string(a.tokens[0]) + "," + std::to_string(a.tokens[1])]++;
+        plain_fourth[std::to_string(a.tokens[3])]++;
+        o.seed = static_cast<uint64_t>(i) + 1000000;  // independent of the plain sample
+        o.draft = 2;
+        if (variant == 1) {
+          // Propose the plain run's continuation of another seed: often right, sometimes wrong.
+          GenerateOptions other = o;
+          other.draft = 0;
+          other.seed = static_cast<uint64_t>(i) + 2000000;
+          o.draft_hook = oracle(generate(*model, prompt, other).tokens, prompt.size(), static_cast<uint64_t>(i));
+        }
+        auto b = generate(*model, prompt, o);
+        spec_counts[std::to_string(b.tokens[0]) + "," + std::to_string(b.tokens[1])]++;
+        spec_fourth[std::to_string(b.tokens[3])]++;
+      }
+      auto [chi2, critical] = chi_square_two_sample(plain_counts, spec_counts);
+      EXPECT_LT(chi2, critical) << "tokens 1-2, temperature " << sampler.temperature << " top_k " << sampler.top_k << " variant " << variant;
+      auto [chi2_fourth, critical_fourth] = chi_square_two_sample(plain_fourth, spec_fourth);
+      EXPECT_LT(chi2_fourth, critical_fourth) << "token 4, temperature " << sampler.temperature << " variant " << variant;
+    }
+  }
+}
+
+TEST(Speculative, RejectsBadDraftDepthAndHeadlessModels) {
+  auto model = Model::load(kFixtures / "wrapper_sharded_tied_bf16");
+  GenerateOptions o;
+  o.max_tokens = 3;
+  o.draft = 9;
+  EXPECT_THROW(generate(*model, std::vector<int32_t>{1, 2}, o), Error);
+  auto headless = Model::load(kFixtures / "causal_untied_single_bf16");
+  EXPECT_EQ(headless->mtp(), nullptr);
+  o.draft = 1;
+  EXPECT_THROW(generate(*headless, std::vector<int32_t>{1, 2}, o), Error);
+}
+
+}  // namespace
+}  // namespace mtpx
