@@ -76,8 +76,8 @@ class TempDir {
 };
 
 // A copy of the single-file fixture whose tensors pass through `edit` (name -> keep?, may change dtype/shape).
-fs::path edited_model(const TempDir& dir, const std::function<bool(TensorToWrite&)>& edit) {
-  const fs::path src = kFixtures / "causal_untied_single_bf16";
+fs::path edited_model(const TempDir& dir, const std::function<bool(TensorToWrite&)>& edit,
+                      const fs::path& src = kFixtures / "causal_untied_single_bf16") {
   fs::copy_file(src / "config.json", dir.path() / "config.json");
   SafetensorsFile file(src / "model.safetensors");
   std::vector<TensorToWrite> tensors;
@@ -153,6 +153,42 @@ TEST(Cli, LogitsCommandWritesReferenceLogits) {
   EXPECT_LT(diff / scale, 1e-3);
 }
 
+TEST(Cli, LogitsMtpWritesTeacherForcedHeadLogits) {
+  const fs::path model = kFixtures / "wrapper_sharded_tied_bf16";
+  SafetensorsFile ref(model / "reference.safetensors");
+  TempDir dir;
+  const fs::path out = dir.path() / "out.safetensors";
+  CommandResult r = run("logits --mtp --model " + model.string() + " --prompt-ids " + ids_of(*ref.find("prompt_1")) + " --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  SafetensorsFile got(out);
+  const TensorView& logits = *got.find("mtp_logits");
+  const TensorView& want = *ref.find("mtp_logits_1");
+  ASSERT_EQ(logits.shape, want.shape);
+  const auto* a = reinterpret_cast<const float*>(logits.data);
+  const auto* b = reinterpret_cast<const float*>(want.data);
+  double diff = 0, scale = 0;
+  for (int64_t i = 0; i < logits.numel(); ++i) diff = std::max(diff, double(std::abs(a[i] - b[i]))), scale = std::max(scale, double(std::abs(b[i])));
+  EXPECT_LT(diff / scale, 1e-3);
+}
+
+TEST(Cli, MtpGenerateReportsStatsAndMatchesPlainGreedy) {
+  const std::string base = "generate --model " + (kFixtures / "wrapper_sharded_tied_bf16").string() +
+                           " --prompt-ids 5,6,7,8 --max-tokens 20 --temperature 0 --json";
+  CommandResult plain = run(base), mtp = run(base + " --mtp --draft 3");
+  ASSERT_EQ(mtp.code, 0) << mtp.err;
+  auto a = nlohmann::json::parse(plain.out), b = nlohmann::json::parse(mtp.out);
+  EXPECT_EQ(a["tokens"], b["tokens"]);
+  EXPECT_FALSE(a["stats"].contains("mtp"));
+  const auto& m = b["stats"]["mtp"];
+  EXPECT_EQ(m["draft"], 3);
+  EXPECT_EQ(m["acceptance_by_position"].size(), 3u);
+  for (const char* key : {"steps", "drafted", "accepted", "acceptance", "mean_accepted_per_step"}) EXPECT_TRUE(m.contains(key)) << key;
+  EXPECT_GT(m["steps"].get<int>(), 0);
+  CommandResult console = run("generate --model " + (kFixtures / "wrapper_sharded_tied_bf16").string() + " --prompt-ids 5,6 --max-tokens 8 --mtp");
+  ASSERT_EQ(console.code, 0) << console.err;
+  EXPECT_NE(console.err.find("acceptance"), std::string::npos) << console.err;  // the one-line summary
+}
+
 TEST(Cli, ShippedModelStreamsTextAndTokenizes) {
   CommandResult r = run("generate --prompt 'def fibonacci(n):' --max-tokens 16 --seed 1");
   ASSERT_EQ(r.code, 0) << r.err;
@@ -177,6 +213,11 @@ TEST(Cli, BadFlagsAreOneLineErrors) {
   expect_usage_error("generate" + m + " --prompt hi", "tokenizer");
   expect_usage_error("frobnicate", "frobnicate");
   expect_usage_error("logits" + m + " --prompt-ids 1", "--out");
+  expect_usage_error("generate" + m + " --prompt-ids 1 --mtp", "no usable MTP head");
+  expect_usage_error("logits" + m + " --prompt-ids 1,2 --mtp --out /tmp/x.safetensors", "no usable MTP head");
+  const std::string h = " --model " + (kFixtures / "wrapper_sharded_tied_bf16").string();
+  expect_usage_error("generate" + h + " --prompt-ids 1 --mtp --draft 0", "--draft");
+  expect_usage_error("generate" + h + " --prompt-ids 1 --mtp --draft 9", "--draft");
 }
 
 TEST(Cli, BadModelDirectoriesAreOneLineErrors) {
@@ -229,6 +270,31 @@ TEST(Cli, BadModelDirectoriesAreOneLineErrors) {
     auto dir = edited_model(d, [](TensorToWrite&) { return true; });
     std::ofstream(dir / "tokenizer.json") << R"({"model": {"type": "Unigram"}})";
     expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1", "tokenizer.json");
+  }
+}
+
+TEST(Cli, BrokenMtpHeadsAreNamed) {
+  const fs::path with_head = kFixtures / "causal_mtp_untied_f32";
+  {
+    TempDir d;
+    auto dir = edited_model(d, [](TensorToWrite& t) { return t.name != "mtp.fc.weight" && t.name != "mtp.norm.weight"; }, with_head);
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1 --mtp", "mtp.fc.weight, mtp.norm.weight");
+    // Plain decoding still works: the head is only needed for --mtp.
+    EXPECT_EQ(run("generate --model " + dir.string() + " --prompt-ids 1 --max-tokens 2").code, 0);
+  }
+  {
+    TempDir d;
+    std::vector<float> zeros(32 * 32);
+    auto dir = edited_model(d, [&](TensorToWrite& t) {
+      if (t.name == "mtp.fc.weight") t.shape = {32, 32}, t.bytes = {reinterpret_cast<const std::byte*>(zeros.data()), zeros.size() * 4};
+      return true;
+    }, with_head);
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1 --mtp", "mtp.fc.weight");
+  }
+  {
+    TempDir d;
+    auto dir = edited_model(d, [](TensorToWrite& t) { return t.name.rfind("mtp.", 0) != 0; }, with_head);
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1 --mtp", "mtp_num_hidden_layers");
   }
 }
 

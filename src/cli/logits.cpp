@@ -5,6 +5,7 @@
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "io/safetensors.h"
+#include "model/mtp_head.h"
 #include "model/qwen35.h"
 #include "util/error.h"
 
@@ -17,6 +18,7 @@ struct LogitsFlags {
   std::string prompt_ids;
   std::string out;
   int threads = 0;
+  bool mtp = false;
 };
 
 std::span<const std::byte> bytes_of(const std::vector<float>& v) {
@@ -46,12 +48,26 @@ int run_logits(const LogitsFlags& f) {
   ForwardResult r;
   model->forward(state, prompt, LogitRows::kAll, r);
   const int64_t n = static_cast<int64_t>(prompt.size());
+  const int64_t V = model->config().vocab_size, H = model->config().hidden_size;
   std::vector<int32_t> ids(prompt);
-  write_safetensors(f.out, {
-                               {"logits", DType::kF32, {n, model->config().vocab_size}, bytes_of(r.logits)},
-                               {"hidden", DType::kF32, {n, model->config().hidden_size}, bytes_of(r.hidden)},
-                               {"prompt", DType::kI32, {n}, {reinterpret_cast<const std::byte*>(ids.data()), ids.size() * 4}},
-                           });
+  std::vector<TensorToWrite> tensors = {
+      {"logits", DType::kF32, {n, V}, bytes_of(r.logits)},
+      {"hidden", DType::kF32, {n, H}, bytes_of(r.hidden)},
+      {"prompt", DType::kI32, {n}, {reinterpret_cast<const std::byte*>(ids.data()), ids.size() * 4}},
+  };
+  // Teacher-forced MTP (spec §6.3): row t is the head's prediction of token t+2 from the trunk hidden at t
+  // and the prompt token at t+1, at position t.
+  MtpResult head;
+  if (f.mtp) {
+    if (model->mtp() == nullptr) invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
+    if (n > 1) {
+      MtpState head_state(model->config(), n);
+      mtp_forward(*model, head_state, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
+                  std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll, head);
+    }
+    tensors.push_back({"mtp_logits", DType::kF32, {n - 1, V}, bytes_of(head.logits)});
+  }
+  write_safetensors(f.out, tensors);
   return 0;
 }
 
@@ -63,6 +79,7 @@ std::function<int()> add_logits_command(CLI::App& app) {
   app.add_option("--prompt", f->prompt, "prompt text");
   app.add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
   app.add_option("--out", f->out, "output .safetensors file");
+  app.add_flag("--mtp", f->mtp, "also write mtp_logits [n-1, V]: the MTP head's teacher-forced predictions");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
   return [f] { return run_logits(*f); };
 }
