@@ -19,34 +19,12 @@
 
 #include "backend/cpu/matmul.h"
 #include "model/qwen35.h"
+#include "model/shapes.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-mtpx::ModelConfig shape_config(const std::string& shape) {
-  mtpx::ModelConfig c;
-  c.architecture = "Qwen3_5ForCausalLM";
-  c.tensor_prefix = "model.";
-  if (shape == "0.8B") {
-    c.vocab_size = 248320, c.hidden_size = 1024, c.intermediate_size = 3584, c.num_layers = 24;
-    c.num_attention_heads = 8, c.num_kv_heads = 2, c.head_dim = 256;
-    c.linear_num_key_heads = 16, c.linear_num_value_heads = 16, c.linear_key_head_dim = 128, c.linear_value_head_dim = 128;
-    c.tie_word_embeddings = true;
-  } else {  // tiny: a smoke-test shape
-    c.vocab_size = 4096, c.hidden_size = 256, c.intermediate_size = 768, c.num_layers = 4;
-    c.num_attention_heads = 4, c.num_kv_heads = 2, c.head_dim = 64;
-    c.linear_num_key_heads = 2, c.linear_num_value_heads = 4, c.linear_key_head_dim = 64, c.linear_value_head_dim = 64;
-    c.tie_word_embeddings = true;
-  }
-  c.linear_conv_kernel_dim = 4;
-  c.rotary_dim = c.head_dim / 4;
-  c.rope_theta = 1e7;
-  for (int64_t i = 0; i < c.num_layers; ++i)
-    c.layer_types.push_back((i + 1) % 4 == 0 ? mtpx::LayerType::kFullAttention : mtpx::LayerType::kLinearAttention);
-  return c;
-}
 
 // Sum of a float array with wide loads and independent accumulators, so the loop is bound by memory,
 // not by the add latency.
@@ -144,7 +122,7 @@ int main(int argc, char** argv) {
   const double bandwidth = measure_read_bandwidth();
   const double gemm = measure_sgemm_flops();
   auto t_init = Clock::now();
-  auto model = mtpx::Model::synthetic(shape_config(shape), 1);
+  auto model = mtpx::Model::synthetic(mtpx::shape_config(shape), 1);
   const double init_s = seconds_since(t_init);
   const auto& w = model->weights();
   const double bytes_per_token = static_cast<double>(w.matrix_bytes);

@@ -26,11 +26,15 @@ std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
   return m;
 }
 
-std::unique_ptr<Model> Model::synthetic(const ModelConfig& config, uint64_t seed) {
+std::unique_ptr<Model> Model::synthetic(const ModelConfig& config, uint64_t seed, bool with_mtp) {
   std::unique_ptr<Model> m(new Model());
   m->config_ = config;
   m->synthetic_ = std::make_unique<SyntheticStorage>();
   m->weights_ = make_synthetic_weights(config, seed, *m->synthetic_);
+  if (with_mtp) {
+    m->mtp_ = make_synthetic_mtp_weights(config, seed + 1, *m->synthetic_);
+    m->mtp_status_ = {MtpStatus::Kind::kPresent, ""};
+  }
   return m;
 }
 

@@ -30,7 +30,7 @@ class Model {
   // Loads config.json and the safetensors of a model directory. Throws mtpx::Error naming what is wrong.
   static std::unique_ptr<Model> load(const std::filesystem::path& dir);
   // Random bf16 weights with the given shapes (benchmarks at real scale).
-  static std::unique_ptr<Model> synthetic(const ModelConfig& config, uint64_t seed);
+  static std::unique_ptr<Model> synthetic(const ModelConfig& config, uint64_t seed, bool with_mtp = false);
   ~Model();
 
   const ModelConfig& config() const { return config_; }

@@ -295,4 +295,32 @@ ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, Synthet
   return w;
 }
 
+MtpWeights make_synthetic_mtp_weights(const ModelConfig& c, uint64_t seed, SyntheticStorage& s) {
+  std::mt19937_64 rng(seed);
+  uint64_t next = seed * 7919ull + 17;
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
+  auto mat = [&](int64_t rows, int64_t cols) { return random_matrix(s, ++next, rows, cols, 1.0f / std::sqrt(static_cast<float>(cols))); };
+  MtpWeights m;
+  m.fc = mat(H, 2 * H);
+  m.pre_fc_norm_embedding = random_vector(rng, H, 1.0f, 0.1f);
+  m.pre_fc_norm_hidden = random_vector(rng, H, 1.0f, 0.1f);
+  m.norm = random_vector(rng, H, 1.0f, 0.1f);
+  m.layer.type = LayerType::kFullAttention;
+  m.layer.input_norm = random_vector(rng, H, 1.0f, 0.1f);
+  m.layer.post_attn_norm = random_vector(rng, H, 1.0f, 0.1f);
+  AttentionWeights a;
+  a.q_proj = mat(c.num_attention_heads * 2 * D, H);
+  a.k_proj = mat(c.num_kv_heads * D, H);
+  a.v_proj = mat(c.num_kv_heads * D, H);
+  a.o_proj = mat(H, c.num_attention_heads * D);
+  a.q_norm = random_vector(rng, D, 1.0f, 0.1f);
+  a.k_norm = random_vector(rng, D, 1.0f, 0.1f);
+  m.layer.attention = std::move(a);
+  m.layer.mlp.gate_proj = mat(I, H);
+  m.layer.mlp.up_proj = mat(I, H);
+  m.layer.mlp.down_proj = mat(H, I);
+  m.matrix_bytes = 2 * (H * 2 * H + (c.num_attention_heads * 3 * D + c.num_kv_heads * 2 * D) * H + 3 * I * H);
+  return m;
+}
+
 }  // namespace mtpx

@@ -98,5 +98,6 @@ struct SyntheticStorage {
   std::vector<std::unique_ptr<uint16_t[]>> buffers;
 };
 ModelWeights make_synthetic_weights(const ModelConfig& config, uint64_t seed, SyntheticStorage& storage);
+MtpWeights make_synthetic_mtp_weights(const ModelConfig& config, uint64_t seed, SyntheticStorage& storage);
 
 }  // namespace mtpx
