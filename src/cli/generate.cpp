@@ -57,22 +57,11 @@ nlohmann::json result_json(const GenerateResult& r, const std::string& text) {
 
 int run_generate(const GenerateFlags& f) {
   set_threads(f.threads);
-  if (f.prompt.empty() == f.prompt_ids.empty()) invalid_input("give exactly one of --prompt and --prompt-ids");
   const auto dir = resolve_model_dir(f.model);
   auto model = Model::load(dir);
   auto tokenizer = load_tokenizer_if_present(dir);
 
-  std::vector<int32_t> prompt;
-  if (!f.prompt_ids.empty()) {
-    prompt = parse_id_list(f.prompt_ids, "--prompt-ids");
-  } else {
-    if (!tokenizer) invalid_input("--prompt needs a tokenizer, but '{}' has no tokenizer.json (use --prompt-ids)", dir.string());
-    prompt = tokenizer->encode(f.prompt);
-    if (prompt.empty()) invalid_input("--prompt encodes to no tokens");
-  }
-  for (int32_t id : prompt)
-    if (id >= model->config().vocab_size)
-      invalid_input("--prompt-ids: token id {} is outside the model's vocabulary [0, {})", id, model->config().vocab_size);
+  const std::vector<int32_t> prompt = resolve_prompt(f.prompt, f.prompt_ids, tokenizer, dir, model->config().vocab_size);
 
   // Sampler: generation_config.json defaults (greedy when do_sample is false), flags override.
   const GenerationConfig gen = load_generation_config(dir / "generation_config.json");

@@ -27,23 +27,11 @@ std::span<const std::byte> bytes_of(const std::vector<float>& v) {
 
 int run_logits(const LogitsFlags& f) {
   set_threads(f.threads);
-  if (f.prompt.empty() == f.prompt_ids.empty()) invalid_input("give exactly one of --prompt and --prompt-ids");
   if (f.out.empty()) invalid_input("--out is required");
   const auto dir = resolve_model_dir(f.model);
   auto model = Model::load(dir);
-  std::vector<int32_t> prompt;
-  if (!f.prompt_ids.empty()) {
-    prompt = parse_id_list(f.prompt_ids, "--prompt-ids");
-  } else {
-    auto tokenizer = load_tokenizer_if_present(dir);
-    if (!tokenizer) invalid_input("--prompt needs a tokenizer, but '{}' has no tokenizer.json", dir.string());
-    prompt = tokenizer->encode(f.prompt);
-  }
-  if (prompt.empty()) invalid_input("the prompt is empty");
-  for (int32_t id : prompt)
-    if (id >= model->config().vocab_size)
-      invalid_input("--prompt-ids: token id {} is outside the model's vocabulary [0, {})", id, model->config().vocab_size);
-
+  const std::vector<int32_t> prompt =
+      resolve_prompt(f.prompt, f.prompt_ids, load_tokenizer_if_present(dir), dir, model->config().vocab_size);
   InferenceState state = model->new_state(static_cast<int64_t>(prompt.size()));
   ForwardResult r;
   model->forward(state, prompt, LogitRows::kAll, r);

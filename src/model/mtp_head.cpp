@@ -2,8 +2,6 @@
 
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
-#include "model/attention.h"
-#include "model/mlp.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -33,34 +31,12 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
     cpu::rms_norm(e, head->pre_fc_norm_embedding.data(), eps, H, e);
     cpu::rms_norm(&hidden[static_cast<size_t>(t * H)], head->pre_fc_norm_hidden.data(), eps, H, e + H);
   }
-  std::vector<float> x(static_cast<size_t>(T * H)), normed(x.size()), branch(x.size());
+  std::vector<float> x(static_cast<size_t>(T * H));  // [T, H]
   cpu::matmul(head->fc, joined.data(), T, x.data());
-
-  // One full-attention decoder layer (same code as the trunk's), its own KV cache.
-  const LayerWeights& layer = head->layer;
-  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], layer.input_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
-  gated_attention_forward(*layer.attention, c, state.kv(), p0, normed.data(), T, branch.data());
-  cpu::add_inplace(x.data(), branch.data(), T * H);
-  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
-  mlp_forward(layer.mlp, normed.data(), T, branch.data());
-  cpu::add_inplace(x.data(), branch.data(), T * H);
-
-  result.hidden.resize(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], head->norm.data(), eps, H, &result.hidden[static_cast<size_t>(t * H)]);
-  const int64_t V = c.vocab_size;
-  switch (rows) {
-    case LogitRows::kNone:
-      result.logits.clear();
-      break;
-    case LogitRows::kLast:
-      result.logits.resize(static_cast<size_t>(V));
-      cpu::matmul(w.lm_head, &result.hidden[static_cast<size_t>((T - 1) * H)], 1, result.logits.data());
-      break;
-    case LogitRows::kAll:
-      result.logits.resize(static_cast<size_t>(T * V));
-      cpu::matmul(w.lm_head, result.hidden.data(), T, result.logits.data());
-      break;
-  }
+  // One full-attention decoder layer (the trunk's code) with the head's own KV cache, then mtp.norm and
+  // the shared lm_head.
+  decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T);
+  norm_and_logits(c, w.lm_head, head->norm, x.data(), T, rows, result.hidden, result.logits);
 }
 
 }  // namespace mtpx

@@ -3,9 +3,7 @@
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
 #include "io/safetensors.h"
-#include "model/attention.h"
 #include "model/gated_deltanet.h"
-#include "model/mlp.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -51,41 +49,11 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
     if (id < 0 || id >= c.vocab_size) invalid_input("token id {} is outside the model's vocabulary [0, {})", id, c.vocab_size);
 
   // x: the residual stream [T, H].
-  std::vector<float> x(static_cast<size_t>(T * H)), normed(static_cast<size_t>(T * H)), branch(static_cast<size_t>(T * H));
+  std::vector<float> x(static_cast<size_t>(T * H));
   for (int64_t t = 0; t < T; ++t) cpu::weight_row_to_f32(weights_.embed_tokens, tokens[static_cast<size_t>(t)], &x[static_cast<size_t>(t * H)]);
-
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  for (int64_t li = 0; li < c.num_layers; ++li) {
-    const LayerWeights& layer = weights_.layers[static_cast<size_t>(li)];
-    for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], layer.input_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
-    if (layer.type == LayerType::kFullAttention) {
-      gated_attention_forward(*layer.attention, c, state.kv(li), p0, normed.data(), T, branch.data());
-    } else {
-      gated_deltanet_forward(*layer.delta_net, c, state.delta(li), normed.data(), T, branch.data(), DeltaRuleForm::kAuto,
-                             record_window);
-    }
-    cpu::add_inplace(x.data(), branch.data(), T * H);
-    for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
-    mlp_forward(layer.mlp, normed.data(), T, branch.data());
-    cpu::add_inplace(x.data(), branch.data(), T * H);
-  }
-
-  result.hidden.resize(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(&x[static_cast<size_t>(t * H)], weights_.final_norm.data(), eps, H, &result.hidden[static_cast<size_t>(t * H)]);
-  const int64_t V = c.vocab_size;
-  switch (rows) {
-    case LogitRows::kNone:
-      result.logits.clear();
-      break;
-    case LogitRows::kLast:
-      result.logits.resize(static_cast<size_t>(V));
-      cpu::matmul(weights_.lm_head, &result.hidden[static_cast<size_t>((T - 1) * H)], 1, result.logits.data());
-      break;
-    case LogitRows::kAll:
-      result.logits.resize(static_cast<size_t>(T * V));
-      cpu::matmul(weights_.lm_head, result.hidden.data(), T, result.logits.data());
-      break;
-  }
+  for (int64_t li = 0; li < c.num_layers; ++li)
+    decoder_layer_forward(weights_.layers[static_cast<size_t>(li)], c, &state.kv(li), &state.delta(li), p0, x.data(), T, record_window);
+  norm_and_logits(c, weights_.lm_head, weights_.final_norm, x.data(), T, rows, result.hidden, result.logits);
   if (record_window) state.set_window(p0, T);
   state.advance(T);
 }

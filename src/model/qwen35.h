@@ -11,14 +11,13 @@
 #include <vector>
 
 #include "io/model_config.h"
+#include "model/decoder_layer.h"
 #include "model/state.h"
 #include "model/weights.h"
 
 namespace mtpx {
 
 class TensorStore;
-
-enum class LogitRows { kNone, kLast, kAll };
 
 struct ForwardResult {
   std::vector<float> hidden;  // [T, H]  post-final-norm hidden (the lm_head input; what MTP consumes)

@@ -237,6 +237,19 @@ std::vector<float> random_vector(std::mt19937_64& rng, int64_t n, float mean, fl
   return v;
 }
 
+template <typename MakeMatrix>
+AttentionWeights random_attention(const ModelConfig& c, std::mt19937_64& rng, MakeMatrix& mat) {
+  const int64_t H = c.hidden_size, D = c.head_dim;
+  AttentionWeights a;
+  a.q_proj = mat(c.num_attention_heads * 2 * D, H);
+  a.k_proj = mat(c.num_kv_heads * D, H);
+  a.v_proj = mat(c.num_kv_heads * D, H);
+  a.o_proj = mat(H, c.num_attention_heads * D);
+  a.q_norm = random_vector(rng, D, 1.0f, 0.1f);
+  a.k_norm = random_vector(rng, D, 1.0f, 0.1f);
+  return a;
+}
+
 }  // namespace
 
 ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, SyntheticStorage& s) {
@@ -245,7 +258,7 @@ ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, Synthet
   auto mat = [&](int64_t rows, int64_t cols) {
     return random_matrix(s, ++next, rows, cols, 1.0f / std::sqrt(static_cast<float>(cols)));
   };
-  const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
   ModelWeights w;
   w.embed_tokens = random_matrix(s, ++next, c.vocab_size, H, 1.0f);
   w.lm_head = c.tie_word_embeddings ? w.embed_tokens : mat(c.vocab_size, H);
@@ -257,14 +270,7 @@ ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, Synthet
     layer.input_norm = random_vector(rng, H, 1.0f, 0.1f);
     layer.post_attn_norm = random_vector(rng, H, 1.0f, 0.1f);
     if (layer.type == LayerType::kFullAttention) {
-      AttentionWeights a;
-      a.q_proj = mat(c.num_attention_heads * 2 * D, H);
-      a.k_proj = mat(c.num_kv_heads * D, H);
-      a.v_proj = mat(c.num_kv_heads * D, H);
-      a.o_proj = mat(H, c.num_attention_heads * D);
-      a.q_norm = random_vector(rng, D, 1.0f, 0.1f);
-      a.k_norm = random_vector(rng, D, 1.0f, 0.1f);
-      layer.attention = std::move(a);
+      layer.attention = random_attention(c, rng, mat);
     } else {
       const int64_t Hv = c.linear_num_value_heads, Dv = c.linear_value_head_dim;
       DeltaNetWeights d;
@@ -298,7 +304,7 @@ ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, Synthet
 MtpWeights make_synthetic_mtp_weights(const ModelConfig& c, uint64_t seed, SyntheticStorage& s) {
   std::mt19937_64 rng(seed);
   uint64_t next = seed * 7919ull + 17;
-  const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
   auto mat = [&](int64_t rows, int64_t cols) { return random_matrix(s, ++next, rows, cols, 1.0f / std::sqrt(static_cast<float>(cols))); };
   MtpWeights m;
   m.fc = mat(H, 2 * H);
@@ -308,17 +314,11 @@ MtpWeights make_synthetic_mtp_weights(const ModelConfig& c, uint64_t seed, Synth
   m.layer.type = LayerType::kFullAttention;
   m.layer.input_norm = random_vector(rng, H, 1.0f, 0.1f);
   m.layer.post_attn_norm = random_vector(rng, H, 1.0f, 0.1f);
-  AttentionWeights a;
-  a.q_proj = mat(c.num_attention_heads * 2 * D, H);
-  a.k_proj = mat(c.num_kv_heads * D, H);
-  a.v_proj = mat(c.num_kv_heads * D, H);
-  a.o_proj = mat(H, c.num_attention_heads * D);
-  a.q_norm = random_vector(rng, D, 1.0f, 0.1f);
-  a.k_norm = random_vector(rng, D, 1.0f, 0.1f);
-  m.layer.attention = std::move(a);
+  m.layer.attention = random_attention(c, rng, mat);
   m.layer.mlp.gate_proj = mat(I, H);
   m.layer.mlp.up_proj = mat(I, H);
   m.layer.mlp.down_proj = mat(H, I);
+  const int64_t D = c.head_dim;
   m.matrix_bytes = 2 * (H * 2 * H + (c.num_attention_heads * 3 * D + c.num_kv_heads * 2 * D) * H + 3 * I * H);
   return m;
 }
