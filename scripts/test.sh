@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$jobs"
-ctest --test-dir build --output-on-failure -j "$jobs" "$@"
+# One test process at a time: every test already uses all cores through OpenMP, and two OpenMP teams
+# spinning on the same cores slow each other down by 10-100x.
+ctest --test-dir build --output-on-failure "$@"
