@@ -183,18 +183,20 @@ using TileFn = void (*)(const WeightMatrix&, const float*, int64_t, int64_t, flo
 // tile that fits the register file (AVX2: 16 ymm, AVX-512: 32 zmm).
 struct TileSet {
   TileFn tiles[4][8];
-  int outputs_single_row;  // output tile width when the block has 1 row
-  int outputs_multi_row;   // output tile width when rows share the tile
+  int outputs_single_row;  // output tile width when the block has 1 row (decode)
+  int outputs_two_rows;    // ... 2 rows (a K=1 verify window): keeps 8 (AVX2) / 16 (AVX-512) accumulators
+  int outputs_multi_row;   // ... 3 or more rows
 };
 
 #define MTPX_ROW(F, T, R) {F<T, R, 1>, F<T, R, 2>, F<T, R, 3>, F<T, R, 4>, F<T, R, 5>, F<T, R, 6>, F<T, R, 7>, F<T, R, 8>}
-#define MTPX_TILESET(F, T, SINGLE, MULTI) TileSet{{MTPX_ROW(F, T, 1), MTPX_ROW(F, T, 2), MTPX_ROW(F, T, 3), MTPX_ROW(F, T, 4)}, SINGLE, MULTI}
+#define MTPX_TILESET(F, T, SINGLE, TWO, MULTI) \
+  TileSet{{MTPX_ROW(F, T, 1), MTPX_ROW(F, T, 2), MTPX_ROW(F, T, 3), MTPX_ROW(F, T, 4)}, SINGLE, TWO, MULTI}
 
 template <WeightType T>
 const TileSet& tiles_for(Path p) {
-  static const TileSet avx512 = MTPX_TILESET(tile_avx512, T, 8, 4);
-  static const TileSet avx2 = MTPX_TILESET(tile_avx2, T, 8, 3);
-  static const TileSet scalar = MTPX_TILESET(tile_scalar, T, 4, 4);
+  static const TileSet avx512 = MTPX_TILESET(tile_avx512, T, 8, 8, 4);
+  static const TileSet avx2 = MTPX_TILESET(tile_avx2, T, 8, 4, 3);
+  static const TileSet scalar = MTPX_TILESET(tile_scalar, T, 4, 4, 4);
   switch (p) {
     case Path::kAvx512:
       return avx512;
@@ -265,7 +267,8 @@ void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   const bool parallel = w.rows * w.cols * m >= (int64_t{1} << 15);
   for (int64_t mb = 0; mb < m; mb += kRowBlock) {
     const int64_t mb_end = std::min(m, mb + kRowBlock);
-    const int64_t width = mb_end - mb == 1 ? set.outputs_single_row : set.outputs_multi_row;
+    const int64_t rows = mb_end - mb;
+    const int64_t width = rows == 1 ? set.outputs_single_row : rows == 2 ? set.outputs_two_rows : set.outputs_multi_row;
     const int64_t out_tiles = (w.rows + width - 1) / width;
 #pragma omp parallel for schedule(static) if (parallel && out_tiles > 1)
     for (int64_t t = 0; t < out_tiles; ++t) {
