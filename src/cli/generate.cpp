@@ -123,7 +123,8 @@ int run_generate(const GenerateFlags& f) {
                    static_cast<double>(peak_rss_bytes()) / (1 << 20));
     }
   }
-  if (f.json) std::printf("%s\n", (f.samples == 1 ? all[0] : all).dump().c_str());
+  // Text cut inside a UTF-8 character (max-tokens reached mid-character) is printed with U+FFFD.
+  if (f.json) std::printf("%s\n", (f.samples == 1 ? all[0] : all).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   return 0;
 }
 
