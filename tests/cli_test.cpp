@@ -194,6 +194,12 @@ TEST(Cli, ShippedModelStreamsTextAndTokenizes) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_FALSE(r.out.empty());
   EXPECT_NE(r.err.find("decode"), std::string::npos) << r.err;  // the speed summary
+  // Regression: text cut inside a UTF-8 character must not break --json (U+FFFD instead).
+  for (int max_tokens = 1; max_tokens <= 40; max_tokens += 13) {
+    CommandResult j = run("generate --prompt-ids 1,2,3 --temperature 0 --json --max-tokens " + std::to_string(max_tokens));
+    ASSERT_EQ(j.code, 0) << j.err;
+    EXPECT_TRUE(nlohmann::json::parse(j.out)["text"].is_string());
+  }
   CommandResult t = run("tokenize --text 'hello world' --json");
   ASSERT_EQ(t.code, 0) << t.err;
   auto j = nlohmann::json::parse(t.out);
