@@ -1,0 +1,122 @@
+// The shipped model (models/default, trained by scripts/train_small_model.py): the engine against
+// transformers on held-out code, and MTP acceptance with its trained head.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "decode/generate.h"
+#include "io/safetensors.h"
+#include "model/mtp_head.h"
+#include "model/qwen35.h"
+
+namespace mtpx {
+namespace {
+
+const std::filesystem::path kSource = MTPX_SOURCE_DIR;
+const std::filesystem::path kModel = kSource / "models" / "default";
+const std::filesystem::path kData = kSource / "tests" / "fixtures" / "trained_default";
+
+std::vector<float> floats(const SafetensorsFile& f, const std::string& name) {
+  const TensorView& t = *f.find(name);
+  std::vector<float> v(t.nbytes / 4);
+  std::memcpy(v.data(), t.data, t.nbytes);
+  return v;
+}
+
+double worst_row_error(const std::vector<float>& got, const std::vector<float>& want, int64_t width) {
+  double worst = 0;
+  for (size_t r = 0; r < want.size() / static_cast<size_t>(width); ++r) {
+    double diff = 0, scale = 0;
+    for (int64_t i = 0; i < width; ++i) {
+      const size_t k = r * static_cast<size_t>(width) + static_cast<size_t>(i);
+      diff = std::max(diff, static_cast<double>(std::abs(got[k] - want[k])));
+      scale = std::max(scale, static_cast<double>(std::abs(want[k])));
+    }
+    worst = std::max(worst, diff / scale);
+  }
+  return worst;
+}
+
+nlohmann::json samples() {
+  std::ifstream in(kData / "heldout_samples.json");
+  return nlohmann::json::parse(in)["samples"];
+}
+
+TEST(TrainedModel, LogitsHiddenAndMtpLogitsMatchTransformersOnHeldOutCode) {
+  auto model = Model::load(kModel);
+  ASSERT_NE(model->mtp(), nullptr);
+  SafetensorsFile ref(kData / "reference.safetensors");
+  const int64_t V = model->config().vocab_size, H = model->config().hidden_size;
+  for (int i = 0; i < 2; ++i) {
+    const std::string s = std::to_string(i);
+    const TensorView& p = *ref.find("prompt_" + s);
+    std::vector<int32_t> prompt(p.nbytes / 4);
+    std::memcpy(prompt.data(), p.data, p.nbytes);
+    const int64_t n = static_cast<int64_t>(prompt.size());
+    InferenceState state = model->new_state(n);
+    ForwardResult r;
+    model->forward(state, prompt, LogitRows::kAll, r);
+    EXPECT_LT(worst_row_error(r.logits, floats(ref, "logits_" + s), V), 1e-3);
+    EXPECT_LT(worst_row_error(r.hidden, floats(ref, "hidden_" + s), H), 1e-3);
+    MtpState head(model->config(), n);
+    MtpResult m;
+    mtp_forward(*model, head, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
+                std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll, m);
+    EXPECT_LT(worst_row_error(m.logits, floats(ref, "mtp_logits_" + s), V), 1e-3);
+  }
+}
+
+TEST(TrainedModel, GreedyContinuationsMatchTransformers) {
+  auto model = Model::load(kModel);
+  for (const auto& sample : samples()) {
+    auto prompt = sample["prompt_ids"].get<std::vector<int32_t>>();
+    auto want = sample["greedy_ids"].get<std::vector<int32_t>>();
+    auto margins = sample["greedy_margins"].get<std::vector<double>>();
+    GenerateOptions o;
+    o.max_tokens = static_cast<int64_t>(want.size());
+    o.sampler.temperature = 0.0;
+    GenerateResult r = generate(*model, prompt, o);
+    for (size_t t = 0; t < want.size() && margins[t] > 1e-3; ++t) ASSERT_EQ(r.tokens[t], want[t]) << sample["file"] << " step " << t;
+  }
+}
+
+// First-position greedy acceptance >= 60% on held-out code (issue target); with the sampler the model
+// ships (T 0.7, top-p 0.95, top-k 20) acceptance stays near greedy, not collapsed: rejection sampling on
+// identically truncated p and q accepts with probability sum_x min(p(x), q(x)), where comparing two
+// independent samples would accept with sum_x p(x) q(x). Measured: greedy 0.915, sampled 0.809.
+TEST(TrainedModel, MtpAcceptanceIsHighAndSamplingDoesNotCollapseIt) {
+  auto model = Model::load(kModel);
+  int64_t drafted[2] = {0, 0}, accepted[2] = {0, 0};
+  for (const auto& sample : samples()) {
+    auto prompt = sample["prompt_ids"].get<std::vector<int32_t>>();
+    for (int sampled = 0; sampled < 2; ++sampled) {
+      GenerateOptions o;
+      o.max_tokens = 48;
+      o.draft = 1;
+      o.sampler = sampled ? SamplerParams{.temperature = 0.7, .top_k = 20, .top_p = 0.95} : SamplerParams{.temperature = 0.0};
+      o.seed = 17;
+      GenerateResult r = generate(*model, prompt, o);
+      drafted[sampled] += r.stats.mtp.drafted;
+      accepted[sampled] += r.stats.mtp.accepted;
+      if (!sampled) {
+        GenerateOptions plain = o;
+        plain.draft = 0;
+        EXPECT_EQ(r.tokens, generate(*model, prompt, plain).tokens) << sample["file"];
+      }
+    }
+  }
+  const double greedy = static_cast<double>(accepted[0]) / static_cast<double>(drafted[0]);
+  const double sampled = static_cast<double>(accepted[1]) / static_cast<double>(drafted[1]);
+  std::printf("acceptance: greedy %.3f, sampled %.3f over %lld / %lld drafts\n", greedy, sampled,
+              static_cast<long long>(drafted[0]), static_cast<long long>(drafted[1]));
+  EXPECT_GE(greedy, 0.60);
+  EXPECT_GE(sampled, greedy - 0.15);
+  EXPECT_GE(sampled, 0.60);
+}
+
+}  // namespace
+}  // namespace mtpx
