@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$(nproc)" --target mtpx >/dev/null
-./build/mtpx generate --prompt "def fibonacci(n):" --max-tokens 64 "$@"
+./build/mtpx generate --prompt "def fibonacci(n):" --max-tokens 96 --mtp --draft 2 --threads 1 "$@"
