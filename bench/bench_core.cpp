@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
@@ -98,25 +99,13 @@ int main(int argc, char** argv) {
   int threads = 0;
   std::string shape = "0.8B";
   bool json = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "error: %s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--decode-tokens") decode_tokens = std::stoll(value());
-    else if (a == "--prefill-tokens") prefill_tokens = std::stoll(value());
-    else if (a == "--threads") threads = std::stoi(value());
-    else if (a == "--shape") shape = value();
-    else if (a == "--json") json = true;
-    else {
-      std::fprintf(stderr, "error: unknown flag '%s'\n", a.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"mtpx core benchmark"};
+  app.add_option("--decode-tokens", decode_tokens)->check(CLI::PositiveNumber);
+  app.add_option("--prefill-tokens", prefill_tokens)->check(CLI::Range(int64_t{16}, int64_t{1} << 16));
+  app.add_option("--threads", threads)->check(CLI::Range(1, 1024));
+  app.add_option("--shape", shape);
+  app.add_flag("--json", json);
+  CLI11_PARSE(app, argc, argv);
   if (threads > 0) omp_set_num_threads(threads);
 
   const double bandwidth = measure_read_bandwidth();

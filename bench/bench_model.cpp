@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
@@ -22,19 +23,14 @@ int main(int argc, char** argv) {
   std::string samples_file = std::string(MTPX_SOURCE_DIR) + "/tests/fixtures/trained_default/heldout_samples.json";
   int64_t tokens = 64, prompts = 20;
   int threads = 0, repeats = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string a = argv[i], v = argv[i + 1];
-    if (a == "--model") model_dir = v;
-    else if (a == "--samples") samples_file = v;
-    else if (a == "--tokens") tokens = std::stoll(v);
-    else if (a == "--prompts") prompts = std::stoll(v);
-    else if (a == "--threads") threads = std::stoi(v);
-    else if (a == "--repeats") repeats = std::stoi(v);
-    else {
-      std::fprintf(stderr, "error: unknown flag '%s'\n", a.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"mtpx AR vs MTP on a real model"};
+  app.add_option("--model", model_dir);
+  app.add_option("--samples", samples_file);
+  app.add_option("--tokens", tokens)->check(CLI::PositiveNumber);
+  app.add_option("--prompts", prompts)->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads)->check(CLI::Range(1, 1024));
+  app.add_option("--repeats", repeats)->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
   if (threads > 0) omp_set_num_threads(threads);
   auto model = mtpx::Model::load(model_dir);
   std::ifstream in(samples_file);

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
@@ -61,26 +62,14 @@ int main(int argc, char** argv) {
   double synthetic = 0.8;
   int threads = 0;
   bool json = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "error: %s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--shape") shape = value();
-    else if (a == "--tokens") tokens = std::stoll(value());
-    else if (a == "--prompt-tokens") prompt_tokens = std::stoll(value());
-    else if (a == "--synthetic-acceptance") synthetic = std::stod(value());
-    else if (a == "--threads") threads = std::stoi(value());
-    else if (a == "--json") json = true;
-    else {
-      std::fprintf(stderr, "error: unknown flag '%s'\n", a.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"mtpx MTP benchmark"};
+  app.add_option("--shape", shape);
+  app.add_option("--tokens", tokens)->check(CLI::PositiveNumber);
+  app.add_option("--prompt-tokens", prompt_tokens)->check(CLI::Range(int64_t{8}, int64_t{1} << 16));
+  app.add_option("--synthetic-acceptance", synthetic)->check(CLI::Range(0.0, 1.0));
+  app.add_option("--threads", threads)->check(CLI::Range(1, 1024));
+  app.add_flag("--json", json);
+  CLI11_PARSE(app, argc, argv);
   if (threads > 0) omp_set_num_threads(threads);
   const mtpx::ModelConfig config = mtpx::shape_config(shape);
   std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));
