@@ -13,6 +13,7 @@
 #include "io/safetensors.h"
 #include "model/mtp_head.h"
 #include "model/qwen35.h"
+#include "test_util.h"
 
 namespace mtpx {
 namespace {
@@ -30,15 +31,7 @@ std::vector<T> read(const SafetensorsFile& f, const std::string& name) {
   return out;
 }
 
-// max |a - b| / max |b| over one row.
-double relative_error(const float* a, const float* b, int64_t n) {
-  double diff = 0, scale = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i])));
-    scale = std::max(scale, static_cast<double>(std::abs(b[i])));
-  }
-  return diff / std::max(scale, 1e-30);
-}
+using testing_util::relative_error;
 
 void expect_rows_close(const std::vector<float>& got, const std::vector<float>& want, int64_t width, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;

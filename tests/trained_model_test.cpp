@@ -12,6 +12,7 @@
 #include "io/safetensors.h"
 #include "model/mtp_head.h"
 #include "model/qwen35.h"
+#include "test_util.h"
 
 namespace mtpx {
 namespace {
@@ -25,20 +26,6 @@ std::vector<float> floats(const SafetensorsFile& f, const std::string& name) {
   std::vector<float> v(t.nbytes / 4);
   std::memcpy(v.data(), t.data, t.nbytes);
   return v;
-}
-
-double worst_row_error(const std::vector<float>& got, const std::vector<float>& want, int64_t width) {
-  double worst = 0;
-  for (size_t r = 0; r < want.size() / static_cast<size_t>(width); ++r) {
-    double diff = 0, scale = 0;
-    for (int64_t i = 0; i < width; ++i) {
-      const size_t k = r * static_cast<size_t>(width) + static_cast<size_t>(i);
-      diff = std::max(diff, static_cast<double>(std::abs(got[k] - want[k])));
-      scale = std::max(scale, static_cast<double>(std::abs(want[k])));
-    }
-    worst = std::max(worst, diff / scale);
-  }
-  return worst;
 }
 
 nlohmann::json samples() {
@@ -60,13 +47,13 @@ TEST(TrainedModel, LogitsHiddenAndMtpLogitsMatchTransformersOnHeldOutCode) {
     InferenceState state = model->new_state(n);
     ForwardResult r;
     model->forward(state, prompt, LogitRows::kAll, r);
-    EXPECT_LT(worst_row_error(r.logits, floats(ref, "logits_" + s), V), 1e-3);
-    EXPECT_LT(worst_row_error(r.hidden, floats(ref, "hidden_" + s), H), 1e-3);
+    EXPECT_LT(testing_util::worst_row_relative_error(r.logits, floats(ref, "logits_" + s), V), 1e-3);
+    EXPECT_LT(testing_util::worst_row_relative_error(r.hidden, floats(ref, "hidden_" + s), H), 1e-3);
     MtpState head(model->config(), n);
     MtpResult m;
     mtp_forward(*model, head, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
                 std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll, m);
-    EXPECT_LT(worst_row_error(m.logits, floats(ref, "mtp_logits_" + s), V), 1e-3);
+    EXPECT_LT(testing_util::worst_row_relative_error(m.logits, floats(ref, "mtp_logits_" + s), V), 1e-3);
   }
 }
 
