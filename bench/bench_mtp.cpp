@@ -6,21 +6,21 @@
 // greedy decoding produces there with probability A (otherwise left as the head's guess), as vLLM's
 // synthetic rejection mode does. That measures what a head with acceptance A would buy on this machine.
 //
-//   bench_mtp [--shape 0.8B] [--tokens 48] [--prompt-tokens 32] [--synthetic-acceptance 0.8] [--threads N] [--json]
+//   bench_mtp [--shape 0.8B] [--tokens 48] [--prompt-tokens 32] [--synthetic-acceptance 0.8] [--threads N]
+//   [--json]
+#include <fmt/core.h>
 #include <omp.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <fmt/core.h>
-#include <nlohmann/json.hpp>
 
 #include "decode/generate.h"
 #include "model/qwen35.h"
@@ -94,8 +94,9 @@ int main(int argc, char** argv) {
   head_bytes = model->mtp()->matrix_bytes;
   // Rollback state: one DeltaNet state copy per linear layer (+ the window's inputs, small) and the
   // head's KV cache; both sized by the run.
-  const int64_t rollback_bytes = model->config().num_linear_attention_layers() * config.linear_num_value_heads *
-                                 config.linear_key_head_dim * config.linear_value_head_dim * 4;
+  const int64_t rollback_bytes = model->config().num_linear_attention_layers() *
+                                 config.linear_num_value_heads * config.linear_key_head_dim *
+                                 config.linear_value_head_dim * 4;
   const int64_t head_kv_bytes = (prompt_tokens + tokens + 8) * config.num_kv_heads * config.head_dim * 2 * 4;
 
   mtpx::generate(*model, std::vector<int32_t>(prompt.begin(), prompt.begin() + 8), [&] {
@@ -114,7 +115,8 @@ int main(int argc, char** argv) {
       auto rng = std::make_shared<std::mt19937_64>(42);
       const std::vector<int32_t> truth = ar.tokens;
       const size_t n = prompt.size();
-      o.draft_hook = [rng, truth, n, acceptance](std::span<const int32_t> context, std::vector<int32_t>& drafts) {
+      o.draft_hook = [rng, truth, n, acceptance](std::span<const int32_t> context,
+                                                 std::vector<int32_t>& drafts) {
         std::uniform_real_distribution<double> u(0.0, 1.0);
         for (size_t i = 0; i < drafts.size(); ++i) {
           const size_t index = context.size() - n + i;
@@ -124,50 +126,64 @@ int main(int argc, char** argv) {
     }
     const mtpx::GenerateResult r = mtpx::generate(*model, prompt, o);
     if (r.tokens != ar.tokens) {
-      std::fprintf(stderr, "error: MTP output differs from plain greedy output (K=%lld)\n", static_cast<long long>(k));
+      std::fprintf(stderr, "error: MTP output differs from plain greedy output (K=%lld)\n",
+                   static_cast<long long>(k));
       std::exit(1);
     }
     std::vector<double> by_position;
     for (size_t i = 0; i < r.stats.mtp.drafted_by_position.size(); ++i)
-      by_position.push_back(r.stats.mtp.drafted_by_position[i] ? double(r.stats.mtp.accepted_by_position[i]) / double(r.stats.mtp.drafted_by_position[i]) : 0.0);
+      by_position.push_back(r.stats.mtp.drafted_by_position[i]
+                                ? double(r.stats.mtp.accepted_by_position[i]) /
+                                      double(r.stats.mtp.drafted_by_position[i])
+                                : 0.0);
     rows.push_back({{"mode", acceptance > 0 ? fmt::format("synthetic {:.2f}", acceptance) : "head"},
                     {"draft", k},
                     {"tok_s", r.stats.decode_tok_s()},
                     {"speedup", r.stats.decode_tok_s() / ar_tok_s},
                     {"acceptance", r.stats.mtp.acceptance()},
                     {"acceptance_by_position", by_position},
-                    {"tokens_per_step", r.stats.mtp.steps ? double(r.tokens.size() - 1) / double(r.stats.mtp.steps) : 0.0}});
+                    {"tokens_per_step",
+                     r.stats.mtp.steps ? double(r.tokens.size() - 1) / double(r.stats.mtp.steps) : 0.0}});
   };
   run(1, 0.0);
   for (int64_t k = 1; k <= 4; ++k) run(k, synthetic);
 
-  nlohmann::json out = {{"shape", shape},
-                        {"threads", omp_get_max_threads()},
-                        {"tokens", tokens},
-                        {"prompt_tokens", prompt_tokens},
-                        {"ar_tok_s", ar_tok_s},
-                        {"runs", rows},
-                        {"peak_rss_mtp_off", rss_off},
-                        {"peak_rss_mtp_on", rss_on},
-                        {"head_bytes", head_bytes},
-                        {"rollback_bytes", rollback_bytes + head_kv_bytes},
-                        {"memory_budget_met", rss_on <= static_cast<int64_t>(1.05 * static_cast<double>(rss_off + head_bytes + rollback_bytes + head_kv_bytes))}};
+  nlohmann::json out = {
+      {"shape", shape},
+      {"threads", omp_get_max_threads()},
+      {"tokens", tokens},
+      {"prompt_tokens", prompt_tokens},
+      {"ar_tok_s", ar_tok_s},
+      {"runs", rows},
+      {"peak_rss_mtp_off", rss_off},
+      {"peak_rss_mtp_on", rss_on},
+      {"head_bytes", head_bytes},
+      {"rollback_bytes", rollback_bytes + head_kv_bytes},
+      {"memory_budget_met",
+       rss_on <= static_cast<int64_t>(
+                     1.05 * static_cast<double>(rss_off + head_bytes + rollback_bytes + head_kv_bytes))}};
   if (json) {
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
-  fmt::print("shape {} | threads {} | {} tokens after a {}-token prompt, greedy; outputs checked identical to AR\n", shape,
-             omp_get_max_threads(), tokens, prompt_tokens);
+  fmt::print(
+      "shape {} | threads {} | {} tokens after a {}-token prompt, greedy; outputs checked identical to AR\n",
+      shape, omp_get_max_threads(), tokens, prompt_tokens);
   fmt::print("AR: {:.2f} tok/s\n", ar_tok_s);
   for (const auto& r : rows) {
     std::string pos;
     for (double a : r["acceptance_by_position"]) pos += fmt::format(" {:.2f}", a);
-    fmt::print("{:>15} K={}: {:6.2f} tok/s  x{:.2f}  acceptance {:.2f} (by position:{})  {:.2f} tokens/step\n",
-               r["mode"].get<std::string>(), r["draft"].get<int>(), r["tok_s"].get<double>(), r["speedup"].get<double>(),
-               r["acceptance"].get<double>(), pos, r["tokens_per_step"].get<double>());
+    fmt::print(
+        "{:>15} K={}: {:6.2f} tok/s  x{:.2f}  acceptance {:.2f} (by position:{})  {:.2f} tokens/step\n",
+        r["mode"].get<std::string>(), r["draft"].get<int>(), r["tok_s"].get<double>(),
+        r["speedup"].get<double>(), r["acceptance"].get<double>(), pos, r["tokens_per_step"].get<double>());
   }
-  fmt::print("peak RSS: MTP off {:.0f} MiB, MTP on {:.0f} MiB; head {:.0f} MiB + rollback/head-KV {:.1f} MiB -> budget {:.0f} MiB (+5%): {}\n",
-             rss_off / 1048576.0, rss_on / 1048576.0, head_bytes / 1048576.0, (rollback_bytes + head_kv_bytes) / 1048576.0,
-             1.05 * (rss_off + head_bytes + rollback_bytes + head_kv_bytes) / 1048576.0, out["memory_budget_met"].get<bool>() ? "met" : "NOT met");
+  fmt::print(
+      "peak RSS: MTP off {:.0f} MiB, MTP on {:.0f} MiB; head {:.0f} MiB + rollback/head-KV {:.1f} MiB -> "
+      "budget {:.0f} MiB (+5%): {}\n",
+      rss_off / 1048576.0, rss_on / 1048576.0, head_bytes / 1048576.0,
+      (rollback_bytes + head_kv_bytes) / 1048576.0,
+      1.05 * (rss_off + head_bytes + rollback_bytes + head_kv_bytes) / 1048576.0,
+      out["memory_budget_met"].get<bool>() ? "met" : "NOT met");
   return 0;
 }

@@ -33,7 +33,8 @@ struct CommandResult {
 // Runs mtpx with `args` (shell-quoted by the caller), capturing stdout and stderr.
 CommandResult run(const std::string& args) {
   static int counter = 0;
-  const fs::path err_file = fs::temp_directory_path() / ("mtpx_cli_err_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+  const fs::path err_file = fs::temp_directory_path() /
+                            ("mtpx_cli_err_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
   const std::string cmd = std::string(MTPX_BINARY) + " " + args + " 2>" + err_file.string();
   CommandResult r;
   FILE* pipe = popen(cmd.c_str(), "r");
@@ -65,7 +66,8 @@ class TempDir {
  public:
   TempDir() {
     static int counter = 0;
-    path_ = fs::temp_directory_path() / ("mtpx_cli_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+    path_ = fs::temp_directory_path() /
+            ("mtpx_cli_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
     fs::remove_all(path_);
     fs::create_directories(path_);
   }
@@ -76,7 +78,8 @@ class TempDir {
   fs::path path_;
 };
 
-// A copy of the single-file fixture whose tensors pass through `edit` (name -> keep?, may change dtype/shape).
+// A copy of the single-file fixture whose tensors pass through `edit` (name -> keep?, may change
+// dtype/shape).
 fs::path edited_model(const TempDir& dir, const std::function<bool(TensorToWrite&)>& edit,
                       const fs::path& src = kFixtures / "causal_untied_single_bf16") {
   fs::copy_file(src / "config.json", dir.path() / "config.json");
@@ -104,8 +107,8 @@ std::string ids_of(const TensorView& t) {
 TEST(Cli, GenerateJsonMatchesTheReferenceGreedyContinuation) {
   const fs::path model = kFixtures / "wrapper_sharded_tied_bf16";
   SafetensorsFile ref(model / "reference.safetensors");
-  CommandResult r = run("generate --model " + model.string() + " --prompt-ids " + ids_of(*ref.find("prompt_1")) +
-              " --max-tokens 12 --temperature 0 --json");
+  CommandResult r = run("generate --model " + model.string() + " --prompt-ids " +
+                        ids_of(*ref.find("prompt_1")) + " --max-tokens 12 --temperature 0 --json");
   ASSERT_EQ(r.code, 0) << r.err;
   auto j = nlohmann::json::parse(r.out);
   const TensorView& greedy = *ref.find("greedy_1");
@@ -114,7 +117,8 @@ TEST(Cli, GenerateJsonMatchesTheReferenceGreedyContinuation) {
   EXPECT_EQ(j["tokens"].get<std::vector<int32_t>>(), want);
   EXPECT_EQ(j["stats"]["prompt_tokens"], 11);
   EXPECT_EQ(j["stats"]["generated_tokens"], 12);
-  for (const char* key : {"prefill_tok_s", "decode_tok_s", "peak_rss_bytes"}) EXPECT_GT(j["stats"][key].get<double>(), 0) << key;
+  for (const char* key : {"prefill_tok_s", "decode_tok_s", "peak_rss_bytes"})
+    EXPECT_GT(j["stats"][key].get<double>(), 0) << key;
   EXPECT_TRUE(j["text"].is_string());
 }
 
@@ -140,7 +144,8 @@ TEST(Cli, LogitsCommandWritesReferenceLogits) {
   SafetensorsFile ref(model / "reference.safetensors");
   TempDir dir;
   const fs::path out = dir.path() / "out.safetensors";
-  CommandResult r = run("logits --model " + model.string() + " --prompt-ids " + ids_of(*ref.find("prompt_1")) + " --out " + out.string());
+  CommandResult r = run("logits --model " + model.string() + " --prompt-ids " +
+                        ids_of(*ref.find("prompt_1")) + " --out " + out.string());
   ASSERT_EQ(r.code, 0) << r.err;
   SafetensorsFile got(out);
   const TensorView& logits = *got.find("logits");
@@ -157,7 +162,8 @@ TEST(Cli, LogitsMtpWritesTeacherForcedHeadLogits) {
   SafetensorsFile ref(model / "reference.safetensors");
   TempDir dir;
   const fs::path out = dir.path() / "out.safetensors";
-  CommandResult r = run("logits --mtp --model " + model.string() + " --prompt-ids " + ids_of(*ref.find("prompt_1")) + " --out " + out.string());
+  CommandResult r = run("logits --mtp --model " + model.string() + " --prompt-ids " +
+                        ids_of(*ref.find("prompt_1")) + " --out " + out.string());
   ASSERT_EQ(r.code, 0) << r.err;
   SafetensorsFile got(out);
   const TensorView& logits = *got.find("mtp_logits");
@@ -179,9 +185,11 @@ TEST(Cli, MtpGenerateReportsStatsAndMatchesPlainGreedy) {
   const auto& m = b["stats"]["mtp"];
   EXPECT_EQ(m["draft"], 3);
   EXPECT_EQ(m["acceptance_by_position"].size(), 3u);
-  for (const char* key : {"steps", "drafted", "accepted", "acceptance", "mean_accepted_per_step"}) EXPECT_TRUE(m.contains(key)) << key;
+  for (const char* key : {"steps", "drafted", "accepted", "acceptance", "mean_accepted_per_step"})
+    EXPECT_TRUE(m.contains(key)) << key;
   EXPECT_GT(m["steps"].get<int>(), 0);
-  CommandResult console = run("generate --model " + (kFixtures / "wrapper_sharded_tied_bf16").string() + " --prompt-ids 5,6 --max-tokens 8 --mtp");
+  CommandResult console = run("generate --model " + (kFixtures / "wrapper_sharded_tied_bf16").string() +
+                              " --prompt-ids 5,6 --max-tokens 8 --mtp");
   ASSERT_EQ(console.code, 0) << console.err;
   EXPECT_NE(console.err.find("acceptance"), std::string::npos) << console.err;  // the one-line summary
 }
@@ -193,7 +201,8 @@ TEST(Cli, ShippedModelStreamsTextAndTokenizes) {
   EXPECT_NE(r.err.find("decode"), std::string::npos) << r.err;  // the speed summary
   // Regression: text cut inside a UTF-8 character must not break --json (U+FFFD instead).
   for (int max_tokens = 1; max_tokens <= 40; max_tokens += 13) {
-    CommandResult j = run("generate --prompt-ids 1,2,3 --temperature 0 --json --max-tokens " + std::to_string(max_tokens));
+    CommandResult j =
+        run("generate --prompt-ids 1,2,3 --temperature 0 --json --max-tokens " + std::to_string(max_tokens));
     ASSERT_EQ(j.code, 0) << j.err;
     EXPECT_TRUE(nlohmann::json::parse(j.out)["text"].is_string());
   }
@@ -236,13 +245,15 @@ TEST(Cli, BadModelDirectoriesAreOneLineErrors) {
   }
   {
     TempDir d;
-    std::ofstream(d.path() / "config.json") << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})";
+    std::ofstream(d.path() / "config.json")
+        << R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})";
     expect_usage_error("generate --model " + d.path().string() + " --prompt-ids 1", "unknown architecture");
   }
   {
     TempDir d;
     auto dir = edited_model(d, [](TensorToWrite& t) { return t.name != "model.layers.1.linear_attn.A_log"; });
-    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1", "model.layers.1.linear_attn.A_log");
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1",
+                       "model.layers.1.linear_attn.A_log");
   }
   {
     TempDir d;
@@ -280,23 +291,32 @@ TEST(Cli, BrokenMtpHeadsAreNamed) {
   const fs::path with_head = kFixtures / "causal_mtp_untied_f32";
   {
     TempDir d;
-    auto dir = edited_model(d, [](TensorToWrite& t) { return t.name != "mtp.fc.weight" && t.name != "mtp.norm.weight"; }, with_head);
-    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1 --mtp", "mtp.fc.weight, mtp.norm.weight");
+    auto dir = edited_model(
+        d, [](TensorToWrite& t) { return t.name != "mtp.fc.weight" && t.name != "mtp.norm.weight"; },
+        with_head);
+    expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1 --mtp",
+                       "mtp.fc.weight, mtp.norm.weight");
     // Plain decoding still works: the head is only needed for --mtp.
     EXPECT_EQ(run("generate --model " + dir.string() + " --prompt-ids 1 --max-tokens 2").code, 0);
   }
   {
     TempDir d;
     std::vector<float> zeros(32 * 32);
-    auto dir = edited_model(d, [&](TensorToWrite& t) {
-      if (t.name == "mtp.fc.weight") t.shape = {32, 32}, t.bytes = {reinterpret_cast<const std::byte*>(zeros.data()), zeros.size() * 4};
-      return true;
-    }, with_head);
+    auto dir = edited_model(
+        d,
+        [&](TensorToWrite& t) {
+          if (t.name == "mtp.fc.weight")
+            t.shape = {32, 32},
+            t.bytes = {reinterpret_cast<const std::byte*>(zeros.data()), zeros.size() * 4};
+          return true;
+        },
+        with_head);
     expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1 --mtp", "mtp.fc.weight");
   }
   {
     TempDir d;
-    auto dir = edited_model(d, [](TensorToWrite& t) { return t.name.rfind("mtp.", 0) != 0; }, with_head);
+    auto dir = edited_model(
+        d, [](TensorToWrite& t) { return t.name.rfind("mtp.", 0) != 0; }, with_head);
     expect_usage_error("generate --model " + dir.string() + " --prompt-ids 1 --mtp", "mtp_num_hidden_layers");
   }
 }

@@ -45,10 +45,14 @@ TEST(DeltaRule, ChunkedEqualsRecurrent) {
     std::normal_distribution<float> n(0.0f, 0.5f);
     for (size_t i = 0; i < s_rec.size(); ++i) s_rec[i] = s_chk[i] = n(rng);  // a non-zero incoming state
     std::vector<float> o_rec(static_cast<size_t>(T * dv)), o_chk(o_rec.size());
-    delta_rule_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, dk, dv, s_rec.data(), o_rec.data(), dk, dv, dv);
-    delta_rule_chunked(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, dk, dv, s_chk.data(), o_chk.data(), dk, dv, dv);
-    for (size_t i = 0; i < o_rec.size(); ++i) ASSERT_NEAR(o_chk[i], o_rec[i], 2e-5 + 2e-5 * std::abs(o_rec[i])) << "T=" << T << " i=" << i;
-    for (size_t i = 0; i < s_rec.size(); ++i) ASSERT_NEAR(s_chk[i], s_rec[i], 2e-5 + 2e-5 * std::abs(s_rec[i])) << "T=" << T << " state " << i;
+    delta_rule_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, dk, dv,
+                         s_rec.data(), o_rec.data(), dk, dv, dv);
+    delta_rule_chunked(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, dk, dv,
+                       s_chk.data(), o_chk.data(), dk, dv, dv);
+    for (size_t i = 0; i < o_rec.size(); ++i)
+      ASSERT_NEAR(o_chk[i], o_rec[i], 2e-5 + 2e-5 * std::abs(o_rec[i])) << "T=" << T << " i=" << i;
+    for (size_t i = 0; i < s_rec.size(); ++i)
+      ASSERT_NEAR(s_chk[i], s_rec[i], 2e-5 + 2e-5 * std::abs(s_rec[i])) << "T=" << T << " state " << i;
   }
 }
 
@@ -59,10 +63,12 @@ TEST(DeltaRule, RecurrentIsIndependentOfGrouping) {
   Inputs in = random_inputs(T, dk, dv, 5);
   std::vector<float> s_all(static_cast<size_t>(dk * dv)), s_step(s_all.size());
   std::vector<float> o_all(static_cast<size_t>(T * dv)), o_step(o_all.size());
-  delta_rule_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, dk, dv, s_all.data(), o_all.data(), dk, dv, dv);
+  delta_rule_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, dk, dv,
+                       s_all.data(), o_all.data(), dk, dv, dv);
   for (int64_t t = 0; t < T; ++t)
-    delta_rule_recurrent(&in.q[static_cast<size_t>(t * dk)], &in.k[static_cast<size_t>(t * dk)], &in.v[static_cast<size_t>(t * dv)],
-                         &in.g[static_cast<size_t>(t)], &in.beta[static_cast<size_t>(t)], 1, dk, dv, s_step.data(),
+    delta_rule_recurrent(&in.q[static_cast<size_t>(t * dk)], &in.k[static_cast<size_t>(t * dk)],
+                         &in.v[static_cast<size_t>(t * dv)], &in.g[static_cast<size_t>(t)],
+                         &in.beta[static_cast<size_t>(t)], 1, dk, dv, s_step.data(),
                          &o_step[static_cast<size_t>(t * dv)], dk, dv, dv);
   EXPECT_EQ(o_all, o_step);
   EXPECT_EQ(s_all, s_step);

@@ -47,7 +47,8 @@ std::vector<float> random_vector(size_t n, uint64_t seed) {
 class MatmulTest : public ::testing::TestWithParam<WeightType> {};
 
 TEST_P(MatmulTest, MatchesDoubleReference) {
-  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {13, 16}, {33, 100}, {64, 257}, {17, 1024}}) {
+  for (auto [rows, cols] :
+       {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {13, 16}, {33, 100}, {64, 257}, {17, 1024}}) {
     Matrix w = make_matrix(GetParam(), rows, cols, 1);
     for (int64_t m : {1, 3, 4, 5, 37}) {
       auto x = random_vector(static_cast<size_t>(m * cols), 2);
@@ -69,7 +70,8 @@ TEST_P(MatmulTest, BatchInvariantBitwise) {
   const int64_t max_m = 11;
   auto x = random_vector(static_cast<size_t>(max_m * cols), 4);
   std::vector<float> single(static_cast<size_t>(max_m * rows));
-  for (int64_t r = 0; r < max_m; ++r) matmul(w.view, &x[static_cast<size_t>(r * cols)], 1, &single[static_cast<size_t>(r * rows)]);
+  for (int64_t r = 0; r < max_m; ++r)
+    matmul(w.view, &x[static_cast<size_t>(r * cols)], 1, &single[static_cast<size_t>(r * rows)]);
   const int saved_threads = omp_get_max_threads();
   for (int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
@@ -77,7 +79,8 @@ TEST_P(MatmulTest, BatchInvariantBitwise) {
       for (int64_t m = 1; start + m <= max_m; ++m) {
         std::vector<float> y(static_cast<size_t>(m * rows));
         matmul(w.view, &x[static_cast<size_t>(start * cols)], m, y.data());
-        ASSERT_EQ(0, std::memcmp(y.data(), &single[static_cast<size_t>(start * rows)], y.size() * sizeof(float)))
+        ASSERT_EQ(0,
+                  std::memcmp(y.data(), &single[static_cast<size_t>(start * rows)], y.size() * sizeof(float)))
             << "threads=" << threads << " start=" << start << " m=" << m;
       }
     }
@@ -85,7 +88,8 @@ TEST_P(MatmulTest, BatchInvariantBitwise) {
   omp_set_num_threads(saved_threads);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllTypes, MatmulTest, ::testing::Values(WeightType::kF32, WeightType::kF16, WeightType::kBF16));
+INSTANTIATE_TEST_SUITE_P(AllTypes, MatmulTest,
+                         ::testing::Values(WeightType::kF32, WeightType::kF16, WeightType::kBF16));
 
 TEST(Bf16, RoundTripAndRounding) {
   EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.0f)), 1.0f);

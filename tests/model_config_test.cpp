@@ -12,18 +12,34 @@ namespace {
 using nlohmann::json;
 
 json text_config() {
-  return {{"model_type", "qwen3_5_text"}, {"vocab_size", 512}, {"hidden_size", 64}, {"intermediate_size", 128},
-          {"num_hidden_layers", 8}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 32},
-          {"linear_num_key_heads", 2}, {"linear_num_value_heads", 4}, {"linear_key_head_dim", 16},
-          {"linear_value_head_dim", 16}, {"linear_conv_kernel_dim", 4}, {"rms_norm_eps", 1e-6},
+  return {{"model_type", "qwen3_5_text"},
+          {"vocab_size", 512},
+          {"hidden_size", 64},
+          {"intermediate_size", 128},
+          {"num_hidden_layers", 8},
+          {"num_attention_heads", 4},
+          {"num_key_value_heads", 2},
+          {"head_dim", 32},
+          {"linear_num_key_heads", 2},
+          {"linear_num_value_heads", 4},
+          {"linear_key_head_dim", 16},
+          {"linear_value_head_dim", 16},
+          {"linear_conv_kernel_dim", 4},
+          {"rms_norm_eps", 1e-6},
           {"eos_token_id", 511}};
 }
 
 TEST(ModelConfig, WrapperLayoutWithNestedRopeAndInterval) {
   json t = text_config();
-  t["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e7}, {"partial_rotary_factor", 0.25}, {"mrope_interleaved", true}};
-  json root = {{"architectures", {"Qwen3_5ForConditionalGeneration"}}, {"model_type", "qwen3_5"}, {"text_config", t},
-               {"tie_word_embeddings", true}, {"vision_config", {{"depth", 2}}}};
+  t["rope_parameters"] = {{"rope_type", "default"},
+                          {"rope_theta", 1e7},
+                          {"partial_rotary_factor", 0.25},
+                          {"mrope_interleaved", true}};
+  json root = {{"architectures", {"Qwen3_5ForConditionalGeneration"}},
+               {"model_type", "qwen3_5"},
+               {"text_config", t},
+               {"tie_word_embeddings", true},
+               {"vision_config", {{"depth", 2}}}};
   ModelConfig c = parse_model_config(root, "config.json");
   EXPECT_EQ(c.tensor_prefix, "model.language_model.");
   EXPECT_TRUE(c.tie_word_embeddings);
@@ -32,7 +48,8 @@ TEST(ModelConfig, WrapperLayoutWithNestedRopeAndInterval) {
   ASSERT_EQ(c.layer_types.size(), 8u);
   // Default interval 4: layers 3 and 7 are full attention.
   for (size_t i = 0; i < 8; ++i)
-    EXPECT_EQ(c.layer_types[i], (i == 3 || i == 7) ? LayerType::kFullAttention : LayerType::kLinearAttention) << i;
+    EXPECT_EQ(c.layer_types[i], (i == 3 || i == 7) ? LayerType::kFullAttention : LayerType::kLinearAttention)
+        << i;
   EXPECT_EQ(c.conv_dim(), 2 * 2 * 16 + 4 * 16);
   EXPECT_EQ(c.eos_token_ids, (std::vector<int32_t>{511}));
 }
@@ -49,7 +66,8 @@ TEST(ModelConfig, TextOnlyLayoutWithFlatRopeAndExplicitLayerTypes) {
   EXPECT_FALSE(c.tie_word_embeddings);
   EXPECT_EQ(c.rotary_dim, 16);
   EXPECT_EQ(c.rope_theta, 10000.0);
-  EXPECT_EQ(c.layer_types, (std::vector<LayerType>{LayerType::kFullAttention, LayerType::kLinearAttention, LayerType::kFullAttention}));
+  EXPECT_EQ(c.layer_types, (std::vector<LayerType>{LayerType::kFullAttention, LayerType::kLinearAttention,
+                                                   LayerType::kFullAttention}));
 }
 
 TEST(ModelConfig, OldRopeScalingSpellingWithType) {
@@ -111,7 +129,11 @@ TEST(ModelConfig, RejectsBadConfigsWithOneLineErrors) {
 }
 
 TEST(GenerationConfig, ReadsSamplerDefaults) {
-  json g = {{"do_sample", true}, {"temperature", 0.6}, {"top_k", 20}, {"top_p", 0.95}, {"eos_token_id", {248046, 248044}}};
+  json g = {{"do_sample", true},
+            {"temperature", 0.6},
+            {"top_k", 20},
+            {"top_p", 0.95},
+            {"eos_token_id", {248046, 248044}}};
   GenerationConfig c = parse_generation_config(g, "generation_config.json");
   EXPECT_TRUE(c.do_sample);
   EXPECT_DOUBLE_EQ(c.temperature, 0.6);

@@ -33,10 +33,12 @@ std::vector<T> read(const SafetensorsFile& f, const std::string& name) {
 
 using testing_util::relative_error;
 
-void expect_rows_close(const std::vector<float>& got, const std::vector<float>& want, int64_t width, const std::string& what) {
+void expect_rows_close(const std::vector<float>& got, const std::vector<float>& want, int64_t width,
+                       const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t r = 0; r < want.size() / static_cast<size_t>(width); ++r) {
-    const double e = relative_error(&got[r * static_cast<size_t>(width)], &want[r * static_cast<size_t>(width)], width);
+    const double e =
+        relative_error(&got[r * static_cast<size_t>(width)], &want[r * static_cast<size_t>(width)], width);
     EXPECT_LT(e, kRelTolerance) << what << " row " << r;
   }
 }
@@ -109,7 +111,8 @@ TEST_P(ReferenceTest, DecodeStepsEqualPrefill) {
   ForwardResult r;
   for (size_t t = 0; t < prompt.size(); ++t) {
     model_->forward(step, std::span<const int32_t>(&prompt[t], 1), LogitRows::kLast, r);
-    ASSERT_LT(relative_error(r.logits.data(), &all.logits[t * static_cast<size_t>(V)], V), kRelTolerance) << "position " << t;
+    ASSERT_LT(relative_error(r.logits.data(), &all.logits[t * static_cast<size_t>(V)], V), kRelTolerance)
+        << "position " << t;
   }
 }
 
@@ -129,9 +132,11 @@ TEST_P(ReferenceTest, VerifyWindowIsBitwiseEqualToDecodeSteps) {
     model_->forward(a, tokens, LogitRows::kAll, ra);
     for (size_t t = 0; t < tokens.size(); ++t) {
       model_->forward(b, tokens.subspan(t, 1), LogitRows::kLast, rb);
-      ASSERT_EQ(0, std::memcmp(rb.logits.data(), &ra.logits[t * static_cast<size_t>(V)], static_cast<size_t>(V) * sizeof(float)))
+      ASSERT_EQ(0, std::memcmp(rb.logits.data(), &ra.logits[t * static_cast<size_t>(V)],
+                               static_cast<size_t>(V) * sizeof(float)))
           << "K=" << k << " row " << t;
-      ASSERT_EQ(0, std::memcmp(rb.hidden.data(), &ra.hidden[t * static_cast<size_t>(H)], static_cast<size_t>(H) * sizeof(float)))
+      ASSERT_EQ(0, std::memcmp(rb.hidden.data(), &ra.hidden[t * static_cast<size_t>(H)],
+                               static_cast<size_t>(H) * sizeof(float)))
           << "K=" << k << " row " << t;
     }
   }
@@ -153,15 +158,16 @@ TEST_P(ReferenceTest, TeacherForcedMtpLogitsMatchThePyTorchHead) {
     MtpState head(model_->config(), n);
     MtpResult m;
     mtp_forward(*model_, head, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
-                std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll, m);
+                std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll,
+                m);
     expect_rows_close(m.logits, read<float>(*reference_, "mtp_logits_" + s), V, "mtp logits, prompt " + s);
     expect_rows_close(m.hidden, read<float>(*reference_, "mtp_hidden_" + s), H, "mtp hidden, prompt " + s);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceTest,
-                         ::testing::Values("wrapper_sharded_tied_bf16", "causal_untied_single_bf16", "causal_f16_interval2",
-                                           "causal_mtp_untied_f32"));
+                         ::testing::Values("wrapper_sharded_tied_bf16", "causal_untied_single_bf16",
+                                           "causal_f16_interval2", "causal_mtp_untied_f32"));
 
 }  // namespace
 }  // namespace mtpx

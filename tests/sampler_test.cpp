@@ -85,7 +85,8 @@ TEST(Sampler, SamplingFollowsTheDistribution) {
   // Chi-square with 3 degrees of freedom; 16.27 is the 0.999 quantile (false alarm 1e-3, fixed seed).
   const double expected[] = {0.5, 0.25, 0.125, 0.125};
   double chi2 = 0;
-  for (int i = 0; i < 4; ++i) chi2 += std::pow(counts[static_cast<size_t>(i)] - n * expected[i], 2) / (n * expected[i]);
+  for (int i = 0; i < 4; ++i)
+    chi2 += std::pow(counts[static_cast<size_t>(i)] - n * expected[i], 2) / (n * expected[i]);
   EXPECT_LT(chi2, 16.27);
 }
 

@@ -20,19 +20,24 @@ namespace {
 const std::filesystem::path kFixtures = std::filesystem::path(MTPX_SOURCE_DIR) / "tests" / "fixtures";
 const std::filesystem::path kDefaultModel = std::filesystem::path(MTPX_SOURCE_DIR) / "models" / "default";
 
-TokenDistribution dist(std::vector<int32_t> ids, std::vector<float> probs) { return {std::move(ids), std::move(probs)}; }
+TokenDistribution dist(std::vector<int32_t> ids, std::vector<float> probs) {
+  return {std::move(ids), std::move(probs)};
+}
 
 // Chi-square homogeneity test of two samples over the same categories; categories with few counts are
 // pooled. Returns (statistic, critical value at false-alarm rate 1e-3) via Wilson-Hilferty.
-std::pair<double, double> chi_square_two_sample(const std::map<std::string, int>& a, const std::map<std::string, int>& b) {
+std::pair<double, double> chi_square_two_sample(const std::map<std::string, int>& a,
+                                                const std::map<std::string, int>& b) {
   std::map<std::string, std::pair<double, double>> cells;
   for (auto& [k, v] : a) cells[k].first += v;
   for (auto& [k, v] : b) cells[k].second += v;
   std::vector<std::pair<double, double>> merged;
   std::pair<double, double> pooled{0, 0};
   for (auto& [k, v] : cells) {
-    if (v.first + v.second >= 20) merged.push_back(v);
-    else pooled.first += v.first, pooled.second += v.second;
+    if (v.first + v.second >= 20)
+      merged.push_back(v);
+    else
+      pooled.first += v.first, pooled.second += v.second;
   }
   if (pooled.first + pooled.second > 0) merged.push_back(pooled);
   double na = 0, nb = 0;
@@ -52,9 +57,12 @@ TEST(AcceptDrafts, GreedyIsExactMatchThenTargetArgmax) {
   auto one = [](int32_t id) { return dist({id}, {1.0f}); };
   // Target argmaxes 5, 6, 7, bonus 8.
   std::vector<TokenDistribution> target = {one(5), one(6), one(7), one(8)};
-  EXPECT_EQ(accept_drafts(std::vector<int32_t>{5, 6, 7}, std::vector{one(5), one(6), one(7)}, target, rng), (std::vector<int32_t>{5, 6, 7, 8}));
-  EXPECT_EQ(accept_drafts(std::vector<int32_t>{5, 9, 7}, std::vector{one(5), one(9), one(7)}, target, rng), (std::vector<int32_t>{5, 6}));
-  EXPECT_EQ(accept_drafts(std::vector<int32_t>{4, 6, 7}, std::vector{one(4), one(6), one(7)}, target, rng), (std::vector<int32_t>{5}));
+  EXPECT_EQ(accept_drafts(std::vector<int32_t>{5, 6, 7}, std::vector{one(5), one(6), one(7)}, target, rng),
+            (std::vector<int32_t>{5, 6, 7, 8}));
+  EXPECT_EQ(accept_drafts(std::vector<int32_t>{5, 9, 7}, std::vector{one(5), one(9), one(7)}, target, rng),
+            (std::vector<int32_t>{5, 6}));
+  EXPECT_EQ(accept_drafts(std::vector<int32_t>{4, 6, 7}, std::vector{one(4), one(6), one(7)}, target, rng),
+            (std::vector<int32_t>{5}));
 }
 
 TEST(AcceptDrafts, ResidualIsNormalizedPositivePart) {
@@ -81,7 +89,9 @@ TEST(AcceptDrafts, FirstTokenFollowsTheTargetDistribution) {
   }
   EXPECT_EQ(counts[4], 0);  // never outside p's support
   double chi2 = 0;
-  for (int i = 0; i < 4; ++i) chi2 += std::pow(counts[static_cast<size_t>(i)] - n * p.probs[static_cast<size_t>(i)], 2) / (n * p.probs[static_cast<size_t>(i)]);
+  for (int i = 0; i < 4; ++i)
+    chi2 += std::pow(counts[static_cast<size_t>(i)] - n * p.probs[static_cast<size_t>(i)], 2) /
+            (n * p.probs[static_cast<size_t>(i)]);
   EXPECT_LT(chi2, 16.27);  // chi-square, 3 degrees of freedom, false alarm 1e-3
 }
 
@@ -97,12 +107,14 @@ TEST(Rollback, RecordedWindowCutBackIsBitwiseExact) {
     model->forward(b, prompt, LogitRows::kLast, rb);
     model->forward(a, window, LogitRows::kAll, ra, /*record_window=*/true);
     model->rollback(a, keep);
-    model->forward(b, std::span<const int32_t>(window.data(), static_cast<size_t>(keep)), LogitRows::kAll, rb);
+    model->forward(b, std::span<const int32_t>(window.data(), static_cast<size_t>(keep)), LogitRows::kAll,
+                   rb);
     ASSERT_EQ(a.position(), b.position());
     const int32_t next = 77;
     model->forward(a, std::span<const int32_t>(&next, 1), LogitRows::kLast, ra);
     model->forward(b, std::span<const int32_t>(&next, 1), LogitRows::kLast, rb);
-    ASSERT_EQ(0, std::memcmp(ra.logits.data(), rb.logits.data(), ra.logits.size() * sizeof(float))) << "keep " << keep;
+    ASSERT_EQ(0, std::memcmp(ra.logits.data(), rb.logits.data(), ra.logits.size() * sizeof(float)))
+        << "keep " << keep;
   }
 }
 
@@ -112,8 +124,9 @@ struct LosslessCase {
 };
 
 // Proposes the plain run's own next tokens, corrupting some, so that accept, reject and bonus paths run.
-std::function<void(std::span<const int32_t>, std::vector<int32_t>&)> oracle(const std::vector<int32_t>& truth, size_t prompt_len,
-                                                                             uint64_t seed) {
+std::function<void(std::span<const int32_t>, std::vector<int32_t>&)> oracle(const std::vector<int32_t>& truth,
+                                                                            size_t prompt_len,
+                                                                            uint64_t seed) {
   auto rng = std::make_shared<std::mt19937_64>(seed);
   return [truth, prompt_len, rng](std::span<const int32_t> context, std::vector<int32_t>& drafts) {
     for (size_t i = 0; i < drafts.size(); ++i) {
@@ -125,7 +138,8 @@ std::function<void(std::span<const int32_t>, std::vector<int32_t>&)> oracle(cons
 
 TEST(SpeculativeGreedy, IdenticalToPlainDecodingForAllDraftDepths) {
   std::vector<std::filesystem::path> models = {kFixtures / "wrapper_sharded_tied_bf16", kDefaultModel};
-  if (std::filesystem::exists(kFixtures / "causal_mtp_untied_f32")) models.push_back(kFixtures / "causal_mtp_untied_f32");
+  if (std::filesystem::exists(kFixtures / "causal_mtp_untied_f32"))
+    models.push_back(kFixtures / "causal_mtp_untied_f32");
   for (const auto& path : models) {
     auto model = Model::load(path);
     ASSERT_NE(model->mtp(), nullptr) << path;
@@ -133,7 +147,8 @@ TEST(SpeculativeGreedy, IdenticalToPlainDecodingForAllDraftDepths) {
     for (int64_t prompt_len : {1, 5, 11, 40}) {
       std::vector<int32_t> prompt;
       for (int64_t i = 0; i < prompt_len; ++i)
-        prompt.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(std::min<int64_t>(200, model->config().vocab_size - 3))));
+        prompt.push_back(static_cast<int32_t>(
+            rng() % static_cast<uint32_t>(std::min<int64_t>(200, model->config().vocab_size - 3))));
       for (int64_t max_tokens : {1, 2, 7, 24}) {
         GenerateOptions plain;
         plain.max_tokens = max_tokens;
@@ -145,8 +160,8 @@ TEST(SpeculativeGreedy, IdenticalToPlainDecodingForAllDraftDepths) {
             spec.draft = k;
             if (with_oracle) spec.draft_hook = oracle(want.tokens, prompt.size(), static_cast<uint64_t>(k));
             const GenerateResult got = generate(*model, prompt, spec);
-            ASSERT_EQ(got.tokens, want.tokens) << path << " prompt " << prompt_len << " max " << max_tokens << " K=" << k
-                                               << " oracle " << with_oracle;
+            ASSERT_EQ(got.tokens, want.tokens) << path << " prompt " << prompt_len << " max " << max_tokens
+                                               << " K=" << k << " oracle " << with_oracle;
             EXPECT_EQ(got.finish_reason, want.finish_reason);
             if (with_oracle && max_tokens > 7) {
               EXPECT_GT(got.stats.mtp.accepted, 0);
@@ -180,7 +195,8 @@ TEST(SpeculativeGreedy, IdenticalToPlainDecodingForAllDraftDepths) {
 TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
   auto model = Model::load(kFixtures / "wrapper_sharded_tied_bf16");
   const std::vector<int32_t> prompt = {11, 22, 33};
-  const std::vector<SamplerParams> settings = {{.temperature = 1.0}, {.temperature = 0.7, .top_k = 20, .top_p = 0.95},
+  const std::vector<SamplerParams> settings = {{.temperature = 1.0},
+                                               {.temperature = 0.7, .top_k = 20, .top_p = 0.95},
                                                {.temperature = 1.3, .min_p = 0.05}};
   const int runs = 2500;
   for (const SamplerParams& sampler : settings) {
@@ -201,16 +217,19 @@ TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
           GenerateOptions other = o;
           other.draft = 0;
           other.seed = static_cast<uint64_t>(i) + 2000000;
-          o.draft_hook = oracle(generate(*model, prompt, other).tokens, prompt.size(), static_cast<uint64_t>(i));
+          o.draft_hook =
+              oracle(generate(*model, prompt, other).tokens, prompt.size(), static_cast<uint64_t>(i));
         }
         auto b = generate(*model, prompt, o);
         spec_counts[std::to_string(b.tokens[0]) + "," + std::to_string(b.tokens[1])]++;
         spec_fourth[std::to_string(b.tokens[3])]++;
       }
       auto [chi2, critical] = chi_square_two_sample(plain_counts, spec_counts);
-      EXPECT_LT(chi2, critical) << "tokens 1-2, temperature " << sampler.temperature << " top_k " << sampler.top_k << " variant " << variant;
+      EXPECT_LT(chi2, critical) << "tokens 1-2, temperature " << sampler.temperature << " top_k "
+                                << sampler.top_k << " variant " << variant;
       auto [chi2_fourth, critical_fourth] = chi_square_two_sample(plain_fourth, spec_fourth);
-      EXPECT_LT(chi2_fourth, critical_fourth) << "token 4, temperature " << sampler.temperature << " variant " << variant;
+      EXPECT_LT(chi2_fourth, critical_fourth)
+          << "token 4, temperature " << sampler.temperature << " variant " << variant;
     }
   }
 }

@@ -19,10 +19,12 @@ inline double relative_error(const float* a, const float* b, int64_t n) {
 }
 
 // The largest relative_error over the rows of [rows, width] matrices.
-inline double worst_row_relative_error(const std::vector<float>& got, const std::vector<float>& want, int64_t width) {
+inline double worst_row_relative_error(const std::vector<float>& got, const std::vector<float>& want,
+                                       int64_t width) {
   double worst = 0;
   for (size_t r = 0; r < want.size() / static_cast<size_t>(width); ++r)
-    worst = std::max(worst, relative_error(&got[r * static_cast<size_t>(width)], &want[r * static_cast<size_t>(width)], width));
+    worst = std::max(worst, relative_error(&got[r * static_cast<size_t>(width)],
+                                           &want[r * static_cast<size_t>(width)], width));
   return worst;
 }
 

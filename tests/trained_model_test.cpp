@@ -52,7 +52,8 @@ TEST(TrainedModel, LogitsHiddenAndMtpLogitsMatchTransformersOnHeldOutCode) {
     MtpState head(model->config(), n);
     MtpResult m;
     mtp_forward(*model, head, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
-                std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll, m);
+                std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll,
+                m);
     EXPECT_LT(testing_util::worst_row_relative_error(m.logits, floats(ref, "mtp_logits_" + s), V), 1e-3);
   }
 }
@@ -67,7 +68,8 @@ TEST(TrainedModel, GreedyContinuationsMatchTransformers) {
     o.max_tokens = static_cast<int64_t>(want.size());
     o.sampler.temperature = 0.0;
     GenerateResult r = generate(*model, prompt, o);
-    for (size_t t = 0; t < want.size() && margins[t] > 1e-3; ++t) ASSERT_EQ(r.tokens[t], want[t]) << sample["file"] << " step " << t;
+    for (size_t t = 0; t < want.size() && margins[t] > 1e-3; ++t)
+      ASSERT_EQ(r.tokens[t], want[t]) << sample["file"] << " step " << t;
   }
 }
 
@@ -84,7 +86,8 @@ TEST(TrainedModel, MtpAcceptanceIsHighAndSamplingDoesNotCollapseIt) {
       GenerateOptions o;
       o.max_tokens = 48;
       o.draft = 1;
-      o.sampler = sampled ? SamplerParams{.temperature = 0.7, .top_k = 20, .top_p = 0.95} : SamplerParams{.temperature = 0.0};
+      o.sampler = sampled ? SamplerParams{.temperature = 0.7, .top_k = 20, .top_p = 0.95}
+                          : SamplerParams{.temperature = 0.0};
       o.seed = 17;
       GenerateResult r = generate(*model, prompt, o);
       drafted[sampled] += r.stats.mtp.drafted;

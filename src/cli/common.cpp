@@ -53,19 +53,23 @@ std::optional<Tokenizer> load_tokenizer_if_present(const std::filesystem::path& 
 }
 
 std::vector<int32_t> resolve_prompt(const std::string& prompt_text, const std::string& prompt_ids,
-                                    const std::optional<Tokenizer>& tokenizer, const std::filesystem::path& model_dir,
-                                    int64_t vocab_size) {
-  if (prompt_text.empty() == prompt_ids.empty()) invalid_input("give exactly one of --prompt and --prompt-ids");
+                                    const std::optional<Tokenizer>& tokenizer,
+                                    const std::filesystem::path& model_dir, int64_t vocab_size) {
+  if (prompt_text.empty() == prompt_ids.empty())
+    invalid_input("give exactly one of --prompt and --prompt-ids");
   std::vector<int32_t> prompt;
   if (!prompt_ids.empty()) {
     prompt = parse_id_list(prompt_ids, "--prompt-ids");
   } else {
-    if (!tokenizer) invalid_input("--prompt needs a tokenizer, but '{}' has no tokenizer.json (use --prompt-ids)", model_dir.string());
+    if (!tokenizer)
+      invalid_input("--prompt needs a tokenizer, but '{}' has no tokenizer.json (use --prompt-ids)",
+                    model_dir.string());
     prompt = tokenizer->encode(prompt_text);
     if (prompt.empty()) invalid_input("--prompt encodes to no tokens");
   }
   for (int32_t id : prompt)
-    if (id >= vocab_size) invalid_input("--prompt-ids: token id {} is outside the model's vocabulary [0, {})", id, vocab_size);
+    if (id >= vocab_size)
+      invalid_input("--prompt-ids: token id {} is outside the model's vocabulary [0, {})", id, vocab_size);
   return prompt;
 }
 

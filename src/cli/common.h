@@ -25,8 +25,8 @@ std::optional<Tokenizer> load_tokenizer_if_present(const std::filesystem::path& 
 // The prompt of a command: exactly one of --prompt (text, needs the tokenizer) and --prompt-ids; every
 // id must be inside the model's vocabulary. Errors name the flag.
 std::vector<int32_t> resolve_prompt(const std::string& prompt_text, const std::string& prompt_ids,
-                                    const std::optional<Tokenizer>& tokenizer, const std::filesystem::path& model_dir,
-                                    int64_t vocab_size);
+                                    const std::optional<Tokenizer>& tokenizer,
+                                    const std::filesystem::path& model_dir, int64_t vocab_size);
 
 // Peak resident set size of this process in bytes.
 int64_t peak_rss_bytes();

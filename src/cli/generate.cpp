@@ -1,13 +1,14 @@
 // mtpx generate: prompt in, text (streamed) or JSON out.
-#include <cstdio>
-#include <optional>
+#include "decode/generate.h"
 
 #include <fmt/core.h>
+
+#include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "cli/commands.h"
 #include "cli/common.h"
-#include "decode/generate.h"
 #include "io/model_config.h"
 #include "model/qwen35.h"
 #include "util/error.h"
@@ -35,7 +36,9 @@ struct GenerateFlags {
 nlohmann::json mtp_json(const MtpStats& m) {
   std::vector<double> by_position;
   for (size_t i = 0; i < m.drafted_by_position.size(); ++i)
-    by_position.push_back(m.drafted_by_position[i] > 0 ? static_cast<double>(m.accepted_by_position[i]) / static_cast<double>(m.drafted_by_position[i]) : 0.0);
+    by_position.push_back(m.drafted_by_position[i] > 0 ? static_cast<double>(m.accepted_by_position[i]) /
+                                                             static_cast<double>(m.drafted_by_position[i])
+                                                       : 0.0);
   return {{"draft", m.draft},
           {"steps", m.steps},
           {"drafted", m.drafted},
@@ -61,7 +64,8 @@ int run_generate(const GenerateFlags& f) {
   auto model = Model::load(dir);
   auto tokenizer = load_tokenizer_if_present(dir);
 
-  const std::vector<int32_t> prompt = resolve_prompt(f.prompt, f.prompt_ids, tokenizer, dir, model->config().vocab_size);
+  const std::vector<int32_t> prompt =
+      resolve_prompt(f.prompt, f.prompt_ids, tokenizer, dir, model->config().vocab_size);
 
   // Sampler: generation_config.json defaults (greedy when do_sample is false), flags override.
   const GenerationConfig gen = load_generation_config(dir / "generation_config.json");
@@ -77,14 +81,17 @@ int run_generate(const GenerateFlags& f) {
   if (f.min_p) options.sampler.min_p = *f.min_p;
   validate(options.sampler);
   if (f.mtp) {
-    if (model->mtp() == nullptr) invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
+    if (model->mtp() == nullptr)
+      invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
     options.draft = f.draft;
   }
   options.stop_ids = gen.eos_token_ids;
   for (int32_t id : model->config().eos_token_ids) options.stop_ids.push_back(id);
   if (tokenizer) options.vocab_limit = tokenizer->vocab_size();
 
-  auto is_stop = [&](int32_t id) { return std::find(options.stop_ids.begin(), options.stop_ids.end(), id) != options.stop_ids.end(); };
+  auto is_stop = [&](int32_t id) {
+    return std::find(options.stop_ids.begin(), options.stop_ids.end(), id) != options.stop_ids.end();
+  };
   auto text_of = [&](const std::vector<int32_t>& tokens) {
     if (!tokenizer) return std::string();
     std::vector<int32_t> shown(tokens);
@@ -115,16 +122,24 @@ int run_generate(const GenerateFlags& f) {
       std::fflush(stdout);
       std::string mtp;
       if (r.stats.mtp.draft > 0)
-        mtp = fmt::format(" | MTP K={} acceptance {:.1f}%, {:.2f} tokens/step", r.stats.mtp.draft, 100 * r.stats.mtp.acceptance(),
-                          r.stats.mtp.steps > 0 ? static_cast<double>(r.stats.generated_tokens - 1) / static_cast<double>(r.stats.mtp.steps) : 0.0);
-      std::fprintf(stderr, "[prompt %lld tok, prefill %.1f tok/s | generated %lld tok, decode %.1f tok/s%s | peak RSS %.0f MiB]\n",
+        mtp = fmt::format(" | MTP K={} acceptance {:.1f}%, {:.2f} tokens/step", r.stats.mtp.draft,
+                          100 * r.stats.mtp.acceptance(),
+                          r.stats.mtp.steps > 0 ? static_cast<double>(r.stats.generated_tokens - 1) /
+                                                      static_cast<double>(r.stats.mtp.steps)
+                                                : 0.0);
+      std::fprintf(stderr,
+                   "[prompt %lld tok, prefill %.1f tok/s | generated %lld tok, decode %.1f tok/s%s | peak "
+                   "RSS %.0f MiB]\n",
                    static_cast<long long>(r.stats.prompt_tokens), r.stats.prefill_tok_s(),
                    static_cast<long long>(r.stats.generated_tokens), r.stats.decode_tok_s(), mtp.c_str(),
                    static_cast<double>(peak_rss_bytes()) / (1 << 20));
     }
   }
   // Text cut inside a UTF-8 character (max-tokens reached mid-character) is printed with U+FFFD.
-  if (f.json) std::printf("%s\n", (f.samples == 1 ? all[0] : all).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  if (f.json)
+    std::printf("%s\n", (f.samples == 1 ? all[0] : all)
+                            .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                            .c_str());
   return 0;
 }
 
@@ -135,14 +150,19 @@ std::function<int()> add_generate_command(CLI::App& app) {
   app.add_option("--model", f->model, "model directory (default: $MTPX_MODEL or the shipped model)");
   app.add_option("--prompt", f->prompt, "prompt text");
   app.add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
-  app.add_option("--max-tokens", f->max_tokens, "most tokens to generate")->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
-  app.add_option("--temperature", f->temperature, "sampling temperature (0: greedy)")->check(CLI::Range(0.0, 100.0));
-  app.add_option("--top-k", f->top_k, "keep the k most likely tokens (0: off)")->check(CLI::Range(int64_t{0}, int64_t{1} << 22));
+  app.add_option("--max-tokens", f->max_tokens, "most tokens to generate")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  app.add_option("--temperature", f->temperature, "sampling temperature (0: greedy)")
+      ->check(CLI::Range(0.0, 100.0));
+  app.add_option("--top-k", f->top_k, "keep the k most likely tokens (0: off)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 22));
   app.add_option("--top-p", f->top_p, "nucleus sampling mass (1: off)")->check(CLI::Range(0.0, 1.0));
-  app.add_option("--min-p", f->min_p, "drop tokens below min-p times the top probability (0: off)")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--min-p", f->min_p, "drop tokens below min-p times the top probability (0: off)")
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", f->seed, "random seed (sample i uses seed + i)");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
-  app.add_option("--samples", f->samples, "independent completions to draw")->check(CLI::Range(int64_t{1}, int64_t{100000}));
+  app.add_option("--samples", f->samples, "independent completions to draw")
+      ->check(CLI::Range(int64_t{1}, int64_t{100000}));
   app.add_flag("--json", f->json, "print one JSON object (a list with --samples > 1)");
   app.add_flag("--mtp,!--no-mtp", f->mtp, "speculative decoding with the model's MTP head (default: off)");
   app.add_option("--draft", f->draft, "MTP draft depth K")->check(CLI::Range(int64_t{1}, kMaxDraft));

@@ -47,11 +47,13 @@ int run_logits(const LogitsFlags& f) {
   // and the prompt token at t+1, at position t.
   MtpResult head;
   if (f.mtp) {
-    if (model->mtp() == nullptr) invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
+    if (model->mtp() == nullptr)
+      invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
     if (n > 1) {
       MtpState head_state(model->config(), n);
-      mtp_forward(*model, head_state, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
-                  std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll, head);
+      mtp_forward(
+          *model, head_state, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
+          std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll, head);
     }
     tensors.push_back({"mtp_logits", DType::kF32, {n - 1, V}, bytes_of(head.logits)});
   }

@@ -1,9 +1,9 @@
 // mtpx: command-line front end. The one place where errors become exit codes:
 // 0 success, 2 bad input (flags, files, ids), 1 internal failure.
+#include <fmt/core.h>
+
 #include <cstdio>
 #include <map>
-
-#include <fmt/core.h>
 
 #include "cli/commands.h"
 #include "util/error.h"
@@ -19,14 +19,16 @@ int main(int argc, char** argv) {
   };
   add("generate", "generate text from a prompt", mtpx::cli::add_generate_command);
   add("tokenize", "print the token ids of a text", mtpx::cli::add_tokenize_command);
-  add("logits", "write the logits and final hidden states of a prompt to a safetensors file", mtpx::cli::add_logits_command);
+  add("logits", "write the logits and final hidden states of a prompt to a safetensors file",
+      mtpx::cli::add_logits_command);
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
     if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-') {
-      std::fprintf(stderr, "error: unknown command '%s' (commands: generate, tokenize, logits; see --help)\n", argv[1]);
+      std::fprintf(stderr, "error: unknown command '%s' (commands: generate, tokenize, logits; see --help)\n",
+                   argv[1]);
       return 2;
     }
     std::fprintf(stderr, "error: %s\n", e.what());

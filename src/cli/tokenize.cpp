@@ -1,9 +1,8 @@
 // mtpx tokenize: text in, ids (and pieces) out.
 #include <cstdio>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cli/commands.h"
 #include "cli/common.h"
@@ -37,7 +36,9 @@ int run_tokenize(const TokenizeFlags& f) {
   if (f.json) {
     nlohmann::json pieces = nlohmann::json::array();
     for (int32_t id : ids) pieces.push_back(tokenizer->token_piece(id));
-    std::printf("%s\n", nlohmann::json({{"ids", ids}, {"pieces", pieces}}).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    std::printf("%s\n", nlohmann::json({{"ids", ids}, {"pieces", pieces}})
+                            .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                            .c_str());
   } else {
     for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? "," : "", ids[i]);
     std::printf("\n");
@@ -50,7 +51,9 @@ int run_tokenize(const TokenizeFlags& f) {
 std::function<int()> add_tokenize_command(CLI::App& app) {
   auto f = std::make_shared<TokenizeFlags>();
   app.add_option("--model", f->model, "model directory (default: $MTPX_MODEL or the shipped model)");
-  app.add_option("--text", f->text, "text to tokenize")->each([f](const std::string&) { f->text_given = true; });
+  app.add_option("--text", f->text, "text to tokenize")->each([f](const std::string&) {
+    f->text_given = true;
+  });
   app.add_option("--file", f->file, "file whose contents to tokenize");
   app.add_flag("--json", f->json, "print {\"ids\": [...], \"pieces\": [...]}");
   return [f] { return run_tokenize(*f); };

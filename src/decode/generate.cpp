@@ -15,7 +15,9 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
   if (options.max_tokens < 0) invalid_input("max-tokens must be >= 0, got {}", options.max_tokens);
   validate(options.sampler);
   if (options.draft > 0) return generate_speculative(model, prompt, options, on_token);
-  const int64_t vocab_limit = options.vocab_limit > 0 ? std::min(options.vocab_limit, model.config().vocab_size) : model.config().vocab_size;
+  const int64_t vocab_limit = options.vocab_limit > 0
+                                  ? std::min(options.vocab_limit, model.config().vocab_size)
+                                  : model.config().vocab_size;
 
   GenerateResult result;
   result.finish_reason = "length";

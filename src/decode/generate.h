@@ -28,15 +28,19 @@ inline constexpr int64_t kMaxDraft = 8;
 
 // Speculative decoding counters (all zero without MTP).
 struct MtpStats {
-  int64_t draft = 0;     // K
-  int64_t steps = 0;     // verify passes
-  int64_t drafted = 0;   // draft tokens proposed
-  int64_t accepted = 0;  // draft tokens accepted
+  int64_t draft = 0;                          // K
+  int64_t steps = 0;                          // verify passes
+  int64_t drafted = 0;                        // draft tokens proposed
+  int64_t accepted = 0;                       // draft tokens accepted
   std::vector<int64_t> drafted_by_position;   // [K]
   std::vector<int64_t> accepted_by_position;  // [K]
 
-  double acceptance() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0; }
-  double mean_accepted_per_step() const { return steps > 0 ? static_cast<double>(accepted) / static_cast<double>(steps) : 0.0; }
+  double acceptance() const {
+    return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
+  }
+  double mean_accepted_per_step() const {
+    return steps > 0 ? static_cast<double>(accepted) / static_cast<double>(steps) : 0.0;
+  }
 };
 
 struct GenerateStats {
@@ -47,10 +51,14 @@ struct GenerateStats {
   int64_t decode_steps = 0;
   MtpStats mtp;
 
-  double prefill_tok_s() const { return prefill_seconds > 0 ? static_cast<double>(prompt_tokens) / prefill_seconds : 0.0; }
+  double prefill_tok_s() const {
+    return prefill_seconds > 0 ? static_cast<double>(prompt_tokens) / prefill_seconds : 0.0;
+  }
   // Tokens produced after the first one, per second of decoding (the first comes out of the prefill).
   double decode_tok_s() const {
-    return decode_seconds > 0 && generated_tokens > 1 ? static_cast<double>(generated_tokens - 1) / decode_seconds : 0.0;
+    return decode_seconds > 0 && generated_tokens > 1
+               ? static_cast<double>(generated_tokens - 1) / decode_seconds
+               : 0.0;
   }
 };
 

@@ -9,7 +9,8 @@
 namespace mtpx {
 
 void validate(const SamplerParams& p) {
-  if (!(p.temperature >= 0.0 && p.temperature <= 100.0)) invalid_input("temperature must be in [0, 100], got {}", p.temperature);
+  if (!(p.temperature >= 0.0 && p.temperature <= 100.0))
+    invalid_input("temperature must be in [0, 100], got {}", p.temperature);
   if (p.top_k < 0) invalid_input("top-k must be >= 0, got {}", p.top_k);
   if (!(p.top_p > 0.0 && p.top_p <= 1.0)) invalid_input("top-p must be in (0, 1], got {}", p.top_p);
   if (!(p.min_p >= 0.0 && p.min_p <= 1.0)) invalid_input("min-p must be in [0, 1], got {}", p.min_p);
@@ -49,7 +50,8 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
     std::nth_element(ids.begin(), ids.begin() + (p.top_k - 1), ids.end(), higher);
     const float kth = logits[static_cast<size_t>(ids[static_cast<size_t>(p.top_k - 1)])];
     // Keep every token whose logit is >= the k-th largest (ties at the boundary survive, as in HF).
-    auto end = std::partition(ids.begin(), ids.end(), [&](int32_t id) { return logits[static_cast<size_t>(id)] >= kth; });
+    auto end = std::partition(ids.begin(), ids.end(),
+                              [&](int32_t id) { return logits[static_cast<size_t>(id)] >= kth; });
     ids.erase(end, ids.end());
   }
   std::sort(ids.begin(), ids.end(), higher);
@@ -65,7 +67,8 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
   }
   size_t keep = ids.size();
   if (p.top_p < 1.0) {
-    // Keep token i while the mass strictly before it is < p (HF removes tokens whose ascending cumsum <= 1-p).
+    // Keep token i while the mass strictly before it is < p (HF removes tokens whose ascending cumsum <=
+    // 1-p).
     double before = 0.0;
     for (size_t i = 0; i < keep; ++i) {
       if (before / total >= p.top_p && i > 0) {

@@ -18,7 +18,8 @@ TokenDistribution residual_distribution(const TokenDistribution& p, const TokenD
   double total = 0.0;
   for (size_t i = 0; i < p.ids.size(); ++i) {
     auto it = q_prob.find(p.ids[i]);
-    const double diff = static_cast<double>(p.probs[i]) - (it == q_prob.end() ? 0.0 : static_cast<double>(it->second));
+    const double diff =
+        static_cast<double>(p.probs[i]) - (it == q_prob.end() ? 0.0 : static_cast<double>(it->second));
     if (diff > 0.0) {
       r.ids.push_back(p.ids[i]);
       r.probs.push_back(static_cast<float>(diff));
@@ -30,17 +31,18 @@ TokenDistribution residual_distribution(const TokenDistribution& p, const TokenD
   return r;
 }
 
-std::vector<int32_t> accept_drafts(std::span<const int32_t> drafts, std::span<const TokenDistribution> draft_dists,
+std::vector<int32_t> accept_drafts(std::span<const int32_t> drafts,
+                                   std::span<const TokenDistribution> draft_dists,
                                    std::span<const TokenDistribution> target_dists, Rng& rng) {
   if (draft_dists.size() != drafts.size() || target_dists.size() != drafts.size() + 1)
-    fail(ErrorKind::kInternal, "accept_drafts: {} drafts, {} draft and {} target distributions", drafts.size(),
-         draft_dists.size(), target_dists.size());
+    fail(ErrorKind::kInternal, "accept_drafts: {} drafts, {} draft and {} target distributions",
+         drafts.size(), draft_dists.size(), target_dists.size());
   std::vector<int32_t> emitted;
   for (size_t i = 0; i < drafts.size(); ++i) {
     const double p = target_dists[i].prob(drafts[i]);
     const double q = draft_dists[i].prob(drafts[i]);  // > 0: the draft was sampled from q
-    if (rng.uniform() * q < p) {                       // u < min(1, p/q), without dividing
-      emitted.push_back(drafts[i]);                    // accepted
+    if (rng.uniform() * q < p) {                      // u < min(1, p/q), without dividing
+      emitted.push_back(drafts[i]);                   // accepted
       continue;
     }
     emitted.push_back(sample(residual_distribution(target_dists[i], draft_dists[i]), rng));  // recovered
@@ -50,12 +52,14 @@ std::vector<int32_t> accept_drafts(std::span<const int32_t> drafts, std::span<co
   return emitted;
 }
 
-GenerateResult generate_speculative(const Model& model, std::span<const int32_t> prompt, const GenerateOptions& options,
+GenerateResult generate_speculative(const Model& model, std::span<const int32_t> prompt,
+                                    const GenerateOptions& options,
                                     const std::function<void(int32_t)>& on_token) {
   using Clock = std::chrono::steady_clock;
   const int64_t K = options.draft;
   if (K < 1 || K > kMaxDraft) invalid_input("--draft must be in [1, {}], got {}", kMaxDraft, K);
-  if (model.mtp() == nullptr) invalid_input("--mtp: the model has no usable MTP head ({})", model.mtp_status().detail);
+  if (model.mtp() == nullptr)
+    invalid_input("--mtp: the model has no usable MTP head ({})", model.mtp_status().detail);
   const ModelConfig& c = model.config();
   const int64_t H = c.hidden_size, V = c.vocab_size;
   const int64_t vocab_limit = options.vocab_limit > 0 ? std::min(options.vocab_limit, V) : V;
@@ -115,7 +119,8 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     std::vector<float> head_hidden(head.hidden.end() - H, head.hidden.end());
     for (int64_t i = 0; i < k; ++i) {
       if (i > 0) {
-        mtp_forward(model, head_state, head_hidden, std::span<const int32_t>(&drafts.back(), 1), P + i - 1, LogitRows::kLast, head);
+        mtp_forward(model, head_state, head_hidden, std::span<const int32_t>(&drafts.back(), 1), P + i - 1,
+                    LogitRows::kLast, head);
         head_hidden.assign(head.hidden.begin(), head.hidden.end());
       }
       draft_dists.push_back(distribution(head.logits.data()));
@@ -136,7 +141,8 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     window.insert(window.end(), drafts.begin(), drafts.end());
     model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true);
     target_dists.clear();
-    for (int64_t i = 0; i <= k; ++i) target_dists.push_back(distribution(&trunk.logits[static_cast<size_t>(i * V)]));
+    for (int64_t i = 0; i <= k; ++i)
+      target_dists.push_back(distribution(&trunk.logits[static_cast<size_t>(i * V)]));
     const std::vector<int32_t> emitted = accept_drafts(drafts, draft_dists, target_dists, rng);
     const int64_t accepted = static_cast<int64_t>(emitted.size()) - 1;
 
@@ -155,8 +161,9 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     last = emitted.back();
     // Commit the head rows P..P+a from the trunk's hiddens (overwriting draft-time KV); its last row
     // drafts the next d_1.
-    mtp_forward(model, head_state, std::span<const float>(trunk.hidden.data(), static_cast<size_t>((accepted + 1) * H)), emitted, P,
-                LogitRows::kLast, head);
+    mtp_forward(model, head_state,
+                std::span<const float>(trunk.hidden.data(), static_cast<size_t>((accepted + 1) * H)), emitted,
+                P, LogitRows::kLast, head);
   }
   result.stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   result.stats.decode_steps = result.stats.mtp.steps;

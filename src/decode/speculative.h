@@ -21,13 +21,15 @@ namespace mtpx {
 //   bonus:     when all K are kept, one more token is sampled from p_{K+1}.
 // Greedy sampling is the one-hot case of the same rule: keep d_i iff it is the target's argmax.
 // Returns the tokens to emit: the accepted drafts, then the recovered or bonus token.
-std::vector<int32_t> accept_drafts(std::span<const int32_t> drafts, std::span<const TokenDistribution> draft_dists,
+std::vector<int32_t> accept_drafts(std::span<const int32_t> drafts,
+                                   std::span<const TokenDistribution> draft_dists,
                                    std::span<const TokenDistribution> target_dists, Rng& rng);
 
 // normalize(max(p - q, 0)); falls back to p when the difference has no mass (p == q up to rounding).
 TokenDistribution residual_distribution(const TokenDistribution& p, const TokenDistribution& q);
 
-GenerateResult generate_speculative(const Model& model, std::span<const int32_t> prompt, const GenerateOptions& options,
+GenerateResult generate_speculative(const Model& model, std::span<const int32_t> prompt,
+                                    const GenerateOptions& options,
                                     const std::function<void(int32_t)>& on_token);
 
 }  // namespace mtpx

@@ -2,9 +2,8 @@
 
 #include <algorithm>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "util/error.h"
 
@@ -34,7 +33,8 @@ class Reader {
       invalid_input("{}: missing key '{}'", source_, key);
     }
     const json& v = object_.at(key);
-    if (!v.is_number_integer() && !(v.is_number_float() && v.get<double>() == static_cast<int64_t>(v.get<double>())))
+    if (!v.is_number_integer() &&
+        !(v.is_number_float() && v.get<double>() == static_cast<int64_t>(v.get<double>())))
       invalid_input("{}: '{}' must be an integer, got {}", source_, key, v.dump());
     int64_t x = v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
     if (x < lo || x > hi) invalid_input("{}: '{}' = {} is out of range [{}, {}]", source_, key, x, lo, hi);
@@ -46,7 +46,8 @@ class Reader {
     const json& v = object_.at(key);
     if (!v.is_number()) invalid_input("{}: '{}' must be a number, got {}", source_, key, v.dump());
     double x = v.get<double>();
-    if (!(x >= lo && x <= hi)) invalid_input("{}: '{}' = {} is out of range [{}, {}]", source_, key, x, lo, hi);
+    if (!(x >= lo && x <= hi))
+      invalid_input("{}: '{}' = {} is out of range [{}, {}]", source_, key, x, lo, hi);
     return x;
   }
 
@@ -123,20 +124,27 @@ ModelConfig parse_model_config(const json& root, const std::string& source) {
   }
   const std::string model_type = Reader(root, source).string("model_type", "");
   const bool wrapper = root.contains("text_config");
-  if (wrapper && !root.at("text_config").is_object()) invalid_input("{}: 'text_config' must be an object", source);
+  if (wrapper && !root.at("text_config").is_object())
+    invalid_input("{}: 'text_config' must be an object", source);
   const json& text = wrapper ? root.at("text_config") : root;
   const std::string text_type = Reader(text, source).string("model_type", model_type);
 
-  auto is_moe = [](const std::string& s) { return s.find("Moe") != std::string::npos || s.find("moe") != std::string::npos; };
+  auto is_moe = [](const std::string& s) {
+    return s.find("Moe") != std::string::npos || s.find("moe") != std::string::npos;
+  };
   if (is_moe(architecture) || is_moe(model_type) || is_moe(text_type))
-    fail(ErrorKind::kUnsupported, "{}: mixture-of-experts Qwen3.5 models ('{}') are not supported yet", source,
-         architecture.empty() ? model_type : architecture);
-  const bool known = architecture == "Qwen3_5ForConditionalGeneration" || architecture == "Qwen3_5ForCausalLM" ||
+    fail(ErrorKind::kUnsupported, "{}: mixture-of-experts Qwen3.5 models ('{}') are not supported yet",
+         source, architecture.empty() ? model_type : architecture);
+  const bool known = architecture == "Qwen3_5ForConditionalGeneration" ||
+                     architecture == "Qwen3_5ForCausalLM" ||
                      (architecture.empty() && (model_type == "qwen3_5" || model_type == "qwen3_5_text"));
   if (!known)
-    fail(ErrorKind::kUnsupported, "{}: unknown architecture '{}' (model_type '{}'); mtpx runs Qwen3_5ForConditionalGeneration and Qwen3_5ForCausalLM",
+    fail(ErrorKind::kUnsupported,
+         "{}: unknown architecture '{}' (model_type '{}'); mtpx runs Qwen3_5ForConditionalGeneration and "
+         "Qwen3_5ForCausalLM",
          source, architecture, model_type);
-  c.architecture = architecture.empty() ? (wrapper ? "Qwen3_5ForConditionalGeneration" : "Qwen3_5ForCausalLM") : architecture;
+  c.architecture = architecture.empty() ? (wrapper ? "Qwen3_5ForConditionalGeneration" : "Qwen3_5ForCausalLM")
+                                        : architecture;
   c.tensor_prefix = wrapper ? "model.language_model." : "model.";
 
   Reader t(text, wrapper ? source + " (text_config)" : source);
@@ -159,15 +167,17 @@ ModelConfig parse_model_config(const json& root, const std::string& source) {
   if (!c.attn_output_gate)
     fail(ErrorKind::kUnsupported, "{}: attn_output_gate=false is not a Qwen3.5 configuration", t.source());
   if (t.string("hidden_act", "silu") != "silu")
-    fail(ErrorKind::kUnsupported, "{}: hidden_act '{}' is not supported (Qwen3.5 uses silu)", t.source(), t.string("hidden_act", ""));
-  if (t.boolean("attention_bias", false)) fail(ErrorKind::kUnsupported, "{}: attention_bias=true is not supported", t.source());
+    fail(ErrorKind::kUnsupported, "{}: hidden_act '{}' is not supported (Qwen3.5 uses silu)", t.source(),
+         t.string("hidden_act", ""));
+  if (t.boolean("attention_bias", false))
+    fail(ErrorKind::kUnsupported, "{}: attention_bias=true is not supported", t.source());
 
   if (c.num_attention_heads % c.num_kv_heads != 0)
     invalid_input("{}: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})", t.source(),
                   c.num_attention_heads, c.num_kv_heads);
   if (c.linear_num_value_heads % c.linear_num_key_heads != 0)
-    invalid_input("{}: linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})", t.source(),
-                  c.linear_num_value_heads, c.linear_num_key_heads);
+    invalid_input("{}: linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
+                  t.source(), c.linear_num_value_heads, c.linear_num_key_heads);
 
   // RoPE (§3.1): rope_parameters (new) or rope_theta/partial_rotary_factor/rope_scaling at top level (old).
   // Default as transformers' Qwen3_5TextConfig (10000); released checkpoints all state 1e7 explicitly.
@@ -188,28 +198,35 @@ ModelConfig parse_model_config(const json& root, const std::string& source) {
   c.partial_rotary_factor = partial;
   c.rotary_dim = static_cast<int64_t>(static_cast<double>(c.head_dim) * partial);
   if (c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim)
-    invalid_input("{}: rotary dim {} (head_dim {} x partial_rotary_factor {}) must be even", t.source(), c.rotary_dim,
-                  c.head_dim, partial);
+    invalid_input("{}: rotary dim {} (head_dim {} x partial_rotary_factor {}) must be even", t.source(),
+                  c.rotary_dim, c.head_dim, partial);
 
   // Layer types (§1.1): explicit list, or full attention every full_attention_interval-th layer.
   if (t.has("layer_types")) {
     const json& lt = text.at("layer_types");
     if (!lt.is_array() || static_cast<int64_t>(lt.size()) != c.num_layers)
-      invalid_input("{}: 'layer_types' must be a list of num_hidden_layers ({}) entries", t.source(), c.num_layers);
+      invalid_input("{}: 'layer_types' must be a list of num_hidden_layers ({}) entries", t.source(),
+                    c.num_layers);
     for (const json& x : lt) {
       std::string s = x.is_string() ? x.get<std::string>() : x.dump();
-      if (s == "full_attention") c.layer_types.push_back(LayerType::kFullAttention);
-      else if (s == "linear_attention") c.layer_types.push_back(LayerType::kLinearAttention);
-      else invalid_input("{}: unknown layer type '{}' (expected linear_attention or full_attention)", t.source(), s);
+      if (s == "full_attention")
+        c.layer_types.push_back(LayerType::kFullAttention);
+      else if (s == "linear_attention")
+        c.layer_types.push_back(LayerType::kLinearAttention);
+      else
+        invalid_input("{}: unknown layer type '{}' (expected linear_attention or full_attention)", t.source(),
+                      s);
     }
   } else {
     int64_t interval = t.integer("full_attention_interval", 4, 1, kMaxLayers);
     for (int64_t i = 0; i < c.num_layers; ++i)
-      c.layer_types.push_back((i + 1) % interval == 0 ? LayerType::kFullAttention : LayerType::kLinearAttention);
+      c.layer_types.push_back((i + 1) % interval == 0 ? LayerType::kFullAttention
+                                                      : LayerType::kLinearAttention);
   }
 
   // Tied embeddings: text_config wins over the top level (the loader also looks for lm_head.weight).
-  c.tie_word_embeddings = t.boolean("tie_word_embeddings", Reader(root, source).boolean("tie_word_embeddings", false));
+  c.tie_word_embeddings =
+      t.boolean("tie_word_embeddings", Reader(root, source).boolean("tie_word_embeddings", false));
   c.eos_token_ids = t.ids("eos_token_id");
   if (c.eos_token_ids.empty()) c.eos_token_ids = Reader(root, source).ids("eos_token_id");
   return c;

@@ -4,11 +4,10 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 namespace mtpx {
 
@@ -18,10 +17,10 @@ struct ModelConfig {
   std::string architecture;   // "Qwen3_5ForConditionalGeneration" or "Qwen3_5ForCausalLM"
   std::string tensor_prefix;  // "model.language_model." (multimodal wrapper) or "model." (text-only)
 
-  int64_t vocab_size = 0;         // V: rows of embed_tokens / lm_head
-  int64_t hidden_size = 0;        // H
-  int64_t intermediate_size = 0;  // I (dense SwiGLU)
-  int64_t num_layers = 0;         // L
+  int64_t vocab_size = 0;              // V: rows of embed_tokens / lm_head
+  int64_t hidden_size = 0;             // H
+  int64_t intermediate_size = 0;       // I (dense SwiGLU)
+  int64_t num_layers = 0;              // L
   std::vector<LayerType> layer_types;  // [L]
 
   // Gated full attention (§3).
@@ -46,7 +45,9 @@ struct ModelConfig {
   int64_t max_position_embeddings = 0;
   std::vector<int32_t> eos_token_ids;
 
-  int64_t conv_dim() const { return 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * linear_value_head_dim; }
+  int64_t conv_dim() const {
+    return 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * linear_value_head_dim;
+  }
   int64_t num_full_attention_layers() const;
   int64_t num_linear_attention_layers() const { return num_layers - num_full_attention_layers(); }
 };
@@ -61,9 +62,9 @@ ModelConfig load_model_config(const std::filesystem::path& config_json);
 struct GenerationConfig {
   bool do_sample = false;
   double temperature = 1.0;
-  int64_t top_k = 0;    // 0: off
-  double top_p = 1.0;   // 1: off
-  double min_p = 0.0;   // 0: off
+  int64_t top_k = 0;   // 0: off
+  double top_p = 1.0;  // 1: off
+  double min_p = 0.0;  // 0: off
   std::vector<int32_t> eos_token_ids;
 };
 

@@ -101,7 +101,8 @@ struct TensorToWrite {
 
 // Writes a safetensors file atomically: to `path + ".tmp-<pid>"` in the same directory, fsync, rename.
 // An interrupted write leaves no file at `path` (or the previous one untouched). Tensors are written in the
-// given order, header entries sorted by name, data 8-byte aligned after the header (header padded with spaces).
+// given order, header entries sorted by name, data 8-byte aligned after the header (header padded with
+// spaces).
 void write_safetensors(const std::filesystem::path& path, const std::vector<TensorToWrite>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 

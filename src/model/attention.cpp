@@ -13,7 +13,8 @@ void apply_partial_rope(float* x, int64_t rotary_dim, double theta, int64_t pos)
   const int64_t half = rotary_dim / 2;
   for (int64_t i = 0; i < half; ++i) {
     // As transformers computes it: inv_freq and the angle in float32, cos/sin of the float32 angle.
-    const float inv_freq = static_cast<float>(1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(rotary_dim)));
+    const float inv_freq = static_cast<float>(
+        1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(rotary_dim)));
     const float angle = static_cast<float>(pos) * inv_freq;
     const float c = static_cast<float>(std::cos(static_cast<double>(angle)));
     const float s = static_cast<float>(std::sin(static_cast<double>(angle)));
@@ -50,8 +51,10 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
       cpu::rms_norm(kk, w.k_norm.data(), eps, D, kk);
       apply_partial_rope(kk, c.rotary_dim, c.rope_theta, pos);
     }
-    std::copy_n(&k[static_cast<size_t>(t * nkv * D)], nkv * D, &cache.keys[static_cast<size_t>(pos * nkv * D)]);
-    std::copy_n(&v[static_cast<size_t>(t * nkv * D)], nkv * D, &cache.values[static_cast<size_t>(pos * nkv * D)]);
+    std::copy_n(&k[static_cast<size_t>(t * nkv * D)], nkv * D,
+                &cache.keys[static_cast<size_t>(pos * nkv * D)]);
+    std::copy_n(&v[static_cast<size_t>(t * nkv * D)], nkv * D,
+                &cache.values[static_cast<size_t>(pos * nkv * D)]);
   }
 
   // o[t, hq] = softmax(q k^T / sqrt(D)) v over positions 0..p0+t, then * sigmoid(gate).
@@ -82,7 +85,8 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
         std::fill_n(od, D, 0.0f);
         const float inv_sum = 1.0f / sum;
         for (int64_t j = 0; j < n_keys; ++j)
-          cpu::axpy(scores[static_cast<size_t>(j)] * inv_sum, &cache.values[static_cast<size_t>((j * nkv + hk) * D)], D, od);
+          cpu::axpy(scores[static_cast<size_t>(j)] * inv_sum,
+                    &cache.values[static_cast<size_t>((j * nkv + hk) * D)], D, od);
         const float* gate = q + D;
         for (int64_t d = 0; d < D; ++d) od[d] *= cpu::sigmoid(gate[d]);
       }

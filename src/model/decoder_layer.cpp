@@ -8,29 +8,34 @@
 
 namespace mtpx {
 
-void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCache* kv, DeltaNetState* delta, int64_t p0,
-                           float* x, int64_t T, bool record_window) {
+void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCache* kv, DeltaNetState* delta,
+                           int64_t p0, float* x, int64_t T, bool record_window) {
   const int64_t H = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
   std::vector<float> normed(static_cast<size_t>(T * H)), branch(static_cast<size_t>(T * H));  // [T, H]
-  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(x + t * H, layer.input_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
+  for (int64_t t = 0; t < T; ++t)
+    cpu::rms_norm(x + t * H, layer.input_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
   if (layer.type == LayerType::kFullAttention) {
     gated_attention_forward(*layer.attention, c, *kv, p0, normed.data(), T, branch.data());
   } else {
-    gated_deltanet_forward(*layer.delta_net, c, *delta, normed.data(), T, branch.data(), DeltaRuleForm::kAuto, record_window);
+    gated_deltanet_forward(*layer.delta_net, c, *delta, normed.data(), T, branch.data(), DeltaRuleForm::kAuto,
+                           record_window);
   }
   cpu::add_inplace(x, branch.data(), T * H);
-  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(x + t * H, layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
+  for (int64_t t = 0; t < T; ++t)
+    cpu::rms_norm(x + t * H, layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
   mlp_forward(layer.mlp, normed.data(), T, branch.data());
   cpu::add_inplace(x, branch.data(), T * H);
 }
 
-void norm_and_logits(const ModelConfig& c, const cpu::WeightMatrix& lm_head, const std::vector<float>& norm, const float* x,
-                     int64_t T, LogitRows rows, std::vector<float>& hidden, std::vector<float>& logits) {
+void norm_and_logits(const ModelConfig& c, const cpu::WeightMatrix& lm_head, const std::vector<float>& norm,
+                     const float* x, int64_t T, LogitRows rows, std::vector<float>& hidden,
+                     std::vector<float>& logits) {
   const int64_t H = c.hidden_size, V = c.vocab_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
   hidden.resize(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t) cpu::rms_norm(x + t * H, norm.data(), eps, H, &hidden[static_cast<size_t>(t * H)]);
+  for (int64_t t = 0; t < T; ++t)
+    cpu::rms_norm(x + t * H, norm.data(), eps, H, &hidden[static_cast<size_t>(t * H)]);
   switch (rows) {
     case LogitRows::kNone:
       logits.clear();

@@ -16,11 +16,13 @@ enum class LogitRows { kNone, kLast, kAll };
 //   x += mixer(RMSNorm1p(x));  x += MLP(RMSNorm1p(x))
 // The mixer is gated full attention over `kv` for full-attention layers, Gated DeltaNet on `delta`
 // otherwise (record_window: keep what a rollback needs).
-void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& config, KvCache* kv, DeltaNetState* delta,
-                           int64_t p0, float* x, int64_t t_count, bool record_window = false);
+void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& config, KvCache* kv,
+                           DeltaNetState* delta, int64_t p0, float* x, int64_t t_count,
+                           bool record_window = false);
 
 // hidden = RMSNorm1p(x, norm) for all T rows; logits = hidden @ lm_head^T for the rows asked for.
-void norm_and_logits(const ModelConfig& config, const cpu::WeightMatrix& lm_head, const std::vector<float>& norm,
-                     const float* x, int64_t t_count, LogitRows rows, std::vector<float>& hidden, std::vector<float>& logits);
+void norm_and_logits(const ModelConfig& config, const cpu::WeightMatrix& lm_head,
+                     const std::vector<float>& norm, const float* x, int64_t t_count, LogitRows rows,
+                     std::vector<float>& hidden, std::vector<float>& logits);
 
 }  // namespace mtpx

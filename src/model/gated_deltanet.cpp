@@ -27,7 +27,8 @@ void delta_rule_recurrent(const float* q, const float* k, const float* v, const 
       for (int64_t j = 0; j < dv; ++j) row[j] *= decay;
       cpu::axpy(kt[i], row, dv, kv.data());
     }
-    for (int64_t j = 0; j < dv; ++j) delta[static_cast<size_t>(j)] = (vt[j] - kv[static_cast<size_t>(j)]) * beta[t];
+    for (int64_t j = 0; j < dv; ++j)
+      delta[static_cast<size_t>(j)] = (vt[j] - kv[static_cast<size_t>(j)]) * beta[t];
     float* ot = o + t * o_stride;
     std::fill_n(ot, dv, 0.0f);
     for (int64_t i = 0; i < dk; ++i) {
@@ -41,10 +42,11 @@ void delta_rule_recurrent(const float* q, const float* k, const float* v, const 
 // §4.3, chunks of C (the last one zero-padded: beta = g = 0 rows change nothing). Within a chunk with
 // cumulative log-decay G and incoming state S:
 //   A = strictly_lower((beta K) K^T . Dec),  Tinv = (I + A)^-1,  U = Tinv (beta V),  W = Tinv (beta K e^G)
-//   Vnew = U - W S;  O = (Q e^G) S + ((Q K^T) . Dec_incl_diag) Vnew;  S = e^{G_last} S + (K e^{G_last - G})^T Vnew
+//   Vnew = U - W S;  O = (Q e^G) S + ((Q K^T) . Dec_incl_diag) Vnew;  S = e^{G_last} S + (K e^{G_last - G})^T
+//   Vnew
 void delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                        int64_t T, int64_t dk, int64_t dv, float* S, float* o, int64_t qk_stride, int64_t v_stride,
-                        int64_t o_stride) {
+                        int64_t T, int64_t dk, int64_t dv, float* S, float* o, int64_t qk_stride,
+                        int64_t v_stride, int64_t o_stride) {
   const int64_t C = kDeltaNetChunkSize;
   std::vector<float> G(C), A(C * C), U(C * dv), W(C * dk), vnew(C * dv), qk(C * C), kb(C * dk), ws(dv);
   for (int64_t c0 = 0; c0 < T; c0 += C) {
@@ -113,17 +115,17 @@ void delta_rule_chunked(const float* q, const float* k, const float* v, const fl
   }
 }
 
-void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, DeltaNetState& state, const float* h,
-                            int64_t T, float* out, DeltaRuleForm form, bool record_window) {
+void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, DeltaNetState& state,
+                            const float* h, int64_t T, float* out, DeltaRuleForm form, bool record_window) {
   const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
   const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const int64_t conv_dim = c.conv_dim(), Kc = c.linear_conv_kernel_dim;
   const int64_t heads_per_key = Hv / Hk;
 
   std::vector<float> qkv(static_cast<size_t>(T * conv_dim));  // [T, conv_dim] pre-conv
-  std::vector<float> z(static_cast<size_t>(T * Hv * Dv));      // [T, Hv, Dv]
-  std::vector<float> b(static_cast<size_t>(T * Hv));           // [T, Hv]
-  std::vector<float> a(static_cast<size_t>(T * Hv));           // [T, Hv]
+  std::vector<float> z(static_cast<size_t>(T * Hv * Dv));     // [T, Hv, Dv]
+  std::vector<float> b(static_cast<size_t>(T * Hv));          // [T, Hv]
+  std::vector<float> a(static_cast<size_t>(T * Hv));          // [T, Hv]
   cpu::matmul(w.in_proj_qkv, h, T, qkv.data());
   cpu::matmul(w.in_proj_z, h, T, z.data());
   cpu::matmul(w.in_proj_b, h, T, b.data());
@@ -131,8 +133,9 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
 
   // Causal depthwise conv over [conv state (Kc-1 rows) ; qkv (T rows)], then SiLU (§4.1).
   std::vector<float> x(static_cast<size_t>(T * conv_dim));  // [T, conv_dim] post-conv
-  auto input_row = [&](int64_t r) -> const float* {        // r indexes the concatenation
-    return r < Kc - 1 ? &state.conv[static_cast<size_t>(r * conv_dim)] : &qkv[static_cast<size_t>((r - (Kc - 1)) * conv_dim)];
+  auto input_row = [&](int64_t r) -> const float* {         // r indexes the concatenation
+    return r < Kc - 1 ? &state.conv[static_cast<size_t>(r * conv_dim)]
+                      : &qkv[static_cast<size_t>((r - (Kc - 1)) * conv_dim)];
   };
   for (int64_t t = 0; t < T; ++t) {
     float* xt = &x[static_cast<size_t>(t * conv_dim)];
@@ -152,11 +155,13 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
   // New conv state: the last Kc-1 rows of the concatenation.
   {
     std::vector<float> next(state.conv.size());
-    for (int64_t r = 0; r < Kc - 1; ++r) std::copy_n(input_row(T + r), conv_dim, &next[static_cast<size_t>(r * conv_dim)]);
+    for (int64_t r = 0; r < Kc - 1; ++r)
+      std::copy_n(input_row(T + r), conv_dim, &next[static_cast<size_t>(r * conv_dim)]);
     state.conv.swap(next);
   }
 
-  // q, k: l2-normalized per key head, q scaled by Dk^-1/2; beta = sigmoid(b); g = -e^A_log softplus(a + dt_bias).
+  // q, k: l2-normalized per key head, q scaled by Dk^-1/2; beta = sigmoid(b); g = -e^A_log softplus(a +
+  // dt_bias).
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
   std::vector<float> beta(static_cast<size_t>(T * Hv)), g(static_cast<size_t>(T * Hv));
   for (int64_t t = 0; t < T; ++t) {
@@ -171,11 +176,13 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
     for (int64_t hv = 0; hv < Hv; ++hv) {
       const size_t i = static_cast<size_t>(t * Hv + hv);
       beta[i] = cpu::sigmoid(b[i]);
-      g[i] = -std::exp(w.a_log[static_cast<size_t>(hv)]) * cpu::softplus(a[i] + w.dt_bias[static_cast<size_t>(hv)]);
+      g[i] = -std::exp(w.a_log[static_cast<size_t>(hv)]) *
+             cpu::softplus(a[i] + w.dt_bias[static_cast<size_t>(hv)]);
     }
   }
 
-  const bool chunked = form == DeltaRuleForm::kChunked || (form == DeltaRuleForm::kAuto && T >= kDeltaNetChunkedMinTokens);
+  const bool chunked =
+      form == DeltaRuleForm::kChunked || (form == DeltaRuleForm::kAuto && T >= kDeltaNetChunkedMinTokens);
   if (record_window) {
     if (chunked) invalid_input("a recorded (rollback) window must use the recurrent form: {} tokens", T);
     state.window.x = x;
@@ -217,7 +224,8 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
 
 void deltanet_rollback(const ModelConfig& c, DeltaNetState& state, int64_t keep) {
   DeltaNetWindow& win = state.window;
-  if (keep < 0 || keep > win.tokens) invalid_input("rollback to {} tokens of a {}-token window", keep, win.tokens);
+  if (keep < 0 || keep > win.tokens)
+    invalid_input("rollback to {} tokens of a {}-token window", keep, win.tokens);
   if (keep == win.tokens) return;  // the state is already the one after the whole window
   const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
   const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
@@ -234,8 +242,9 @@ void deltanet_rollback(const ModelConfig& c, DeltaNetState& state, int64_t keep)
       bh[static_cast<size_t>(t)] = win.beta[static_cast<size_t>(t * Hv + hv)];
     }
     delta_rule_recurrent(&win.x[static_cast<size_t>(hk * Dk)], &win.x[static_cast<size_t>(Hk * Dk + hk * Dk)],
-                         &win.x[static_cast<size_t>(2 * Hk * Dk + hv * Dv)], gh.data(), bh.data(), keep, Dk, Dv,
-                         &state.ssm[static_cast<size_t>(hv * Dk * Dv)], scratch_o.data(), conv_dim, conv_dim, Dv);
+                         &win.x[static_cast<size_t>(2 * Hk * Dk + hv * Dv)], gh.data(), bh.data(), keep, Dk,
+                         Dv, &state.ssm[static_cast<size_t>(hv * Dk * Dv)], scratch_o.data(), conv_dim,
+                         conv_dim, Dv);
   }
   // Conv state: the last Kc-1 rows of [conv_before ; qkv rows 0..keep-1].
   for (int64_t r = 0; r < Kc - 1; ++r) {

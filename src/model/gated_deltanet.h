@@ -22,8 +22,8 @@ enum class DeltaRuleForm { kAuto, kRecurrent, kChunked };
 // h: [T, H] (already input-normed); updates `state`; out: [T, H]. With `record_window`, state.window
 // keeps what deltanet_rollback needs (windows shorter than kDeltaNetChunkedMinTokens only).
 void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& config, DeltaNetState& state,
-                            const float* h, int64_t t_count, float* out, DeltaRuleForm form = DeltaRuleForm::kAuto,
-                            bool record_window = false);
+                            const float* h, int64_t t_count, float* out,
+                            DeltaRuleForm form = DeltaRuleForm::kAuto, bool record_window = false);
 
 // Returns the state to what it was after the first `keep` tokens of the recorded window
 // (0 <= keep <= window.tokens): restore the pre-window state, replay the kept tokens' recurrence, and

@@ -12,15 +12,17 @@ MtpState::MtpState(const ModelConfig& c, int64_t capacity) : capacity_(capacity)
   kv_.values.assign(n, 0.0f);
 }
 
-void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden, std::span<const int32_t> tokens,
-                 int64_t p0, LogitRows rows, MtpResult& result) {
+void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
+                 std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result) {
   const MtpWeights* head = model.mtp();
   if (head == nullptr) invalid_input("the model has no MTP head: {}", model.mtp_status().detail);
   const ModelConfig& c = model.config();
   const ModelWeights& w = model.weights();
   const int64_t T = static_cast<int64_t>(tokens.size()), H = c.hidden_size;
-  if (static_cast<int64_t>(hidden.size()) != T * H) invalid_input("mtp_forward: {} hidden values for {} tokens", hidden.size(), T);
-  if (p0 + T > state.capacity()) invalid_input("MTP context overflow: {} positions, capacity {}", p0 + T, state.capacity());
+  if (static_cast<int64_t>(hidden.size()) != T * H)
+    invalid_input("mtp_forward: {} hidden values for {} tokens", hidden.size(), T);
+  if (p0 + T > state.capacity())
+    invalid_input("MTP context overflow: {} positions, capacity {}", p0 + T, state.capacity());
   const float eps = static_cast<float>(c.rms_norm_eps);
 
   // u = fc([norm_e(embed(x)) ; norm_h(h)])   (embedding first, hidden second: spec §6.1)

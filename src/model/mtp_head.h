@@ -31,7 +31,7 @@ struct MtpResult {
 
 // hidden: [T, H] trunk (or chained head) hiddens; tokens: [T] the tokens at positions p0+1 .. p0+T;
 // rows p0 .. p0+T-1 of the head's KV cache are (over)written. Requires model.mtp().
-void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden, std::span<const int32_t> tokens,
-                 int64_t p0, LogitRows rows, MtpResult& result);
+void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
+                 std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result);
 
 }  // namespace mtpx

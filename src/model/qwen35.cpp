@@ -11,7 +11,8 @@ namespace mtpx {
 Model::~Model() = default;
 
 std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
-  if (!std::filesystem::is_directory(dir)) fail(ErrorKind::kNotFound, "model directory '{}' does not exist", dir.string());
+  if (!std::filesystem::is_directory(dir))
+    fail(ErrorKind::kNotFound, "model directory '{}' does not exist", dir.string());
   const auto config_path = dir / "config.json";
   if (!std::filesystem::exists(config_path))
     fail(ErrorKind::kNotFound, "'{}' has no config.json (not a Hugging Face model directory)", dir.string());
@@ -36,8 +37,8 @@ std::unique_ptr<Model> Model::synthetic(const ModelConfig& config, uint64_t seed
   return m;
 }
 
-void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
-                    bool record_window) const {
+void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows,
+                    ForwardResult& result, bool record_window) const {
   const ModelConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hidden_size;
@@ -46,13 +47,17 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   if (p0 + T > state.capacity())
     invalid_input("context overflow: {} positions needed, the state holds {}", p0 + T, state.capacity());
   for (int32_t id : tokens)
-    if (id < 0 || id >= c.vocab_size) invalid_input("token id {} is outside the model's vocabulary [0, {})", id, c.vocab_size);
+    if (id < 0 || id >= c.vocab_size)
+      invalid_input("token id {} is outside the model's vocabulary [0, {})", id, c.vocab_size);
 
   // x: the residual stream [T, H].
   std::vector<float> x(static_cast<size_t>(T * H));
-  for (int64_t t = 0; t < T; ++t) cpu::weight_row_to_f32(weights_.embed_tokens, tokens[static_cast<size_t>(t)], &x[static_cast<size_t>(t * H)]);
+  for (int64_t t = 0; t < T; ++t)
+    cpu::weight_row_to_f32(weights_.embed_tokens, tokens[static_cast<size_t>(t)],
+                           &x[static_cast<size_t>(t * H)]);
   for (int64_t li = 0; li < c.num_layers; ++li)
-    decoder_layer_forward(weights_.layers[static_cast<size_t>(li)], c, &state.kv(li), &state.delta(li), p0, x.data(), T, record_window);
+    decoder_layer_forward(weights_.layers[static_cast<size_t>(li)], c, &state.kv(li), &state.delta(li), p0,
+                          x.data(), T, record_window);
   norm_and_logits(c, weights_.lm_head, weights_.final_norm, x.data(), T, rows, result.hidden, result.logits);
   if (record_window) state.set_window(p0, T);
   state.advance(T);
@@ -62,7 +67,8 @@ void Model::rollback(InferenceState& state, int64_t keep) const {
   if (keep < 0 || keep > state.window_tokens())
     invalid_input("rollback to {} tokens of a {}-token window", keep, state.window_tokens());
   for (int64_t li = 0; li < config_.num_layers; ++li)
-    if (config_.layer_types[static_cast<size_t>(li)] == LayerType::kLinearAttention) deltanet_rollback(config_, state.delta(li), keep);
+    if (config_.layer_types[static_cast<size_t>(li)] == LayerType::kLinearAttention)
+      deltanet_rollback(config_, state.delta(li), keep);
   state.set_position(state.window_start() + keep);
   state.set_window(state.window_start(), keep);
 }

@@ -56,7 +56,7 @@ class Model {
   ModelConfig config_;
   ModelWeights weights_;
   std::filesystem::path dir_;
-  std::unique_ptr<TensorStore> store_;          // mapped files the weights point into
+  std::unique_ptr<TensorStore> store_;           // mapped files the weights point into
   std::unique_ptr<SyntheticStorage> synthetic_;  // or buffers owned by a synthetic model
   std::optional<MtpWeights> mtp_;
   MtpStatus mtp_status_;

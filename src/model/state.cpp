@@ -18,7 +18,9 @@ InferenceState::InferenceState(const ModelConfig& c, int64_t capacity) : capacit
     } else {
       DeltaNetState& d = delta_[static_cast<size_t>(i)];
       d.conv.assign(static_cast<size_t>((c.linear_conv_kernel_dim - 1) * c.conv_dim()), 0.0f);
-      d.ssm.assign(static_cast<size_t>(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim), 0.0f);
+      d.ssm.assign(
+          static_cast<size_t>(c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim),
+          0.0f);
     }
   }
 }

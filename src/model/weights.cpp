@@ -40,14 +40,17 @@ class Resolver {
   }
 
   // A small vector widened to float32 (+ offset).
-  std::vector<float> vector(const std::string& name, const std::vector<int64_t>& shape, float offset = 0.0f) const {
+  std::vector<float> vector(const std::string& name, const std::vector<int64_t>& shape,
+                            float offset = 0.0f) const {
     const TensorView& t = tensor(name, shape);
     std::vector<float> out(static_cast<size_t>(t.numel()));
     for (size_t i = 0; i < out.size(); ++i) out[i] = element(t, i) + offset;
     return out;
   }
 
-  std::vector<float> norm(const std::string& name, int64_t n) const { return vector(name, {n}, norm_offset_); }
+  std::vector<float> norm(const std::string& name, int64_t n) const {
+    return vector(name, {n}, norm_offset_);
+  }
 
   int64_t bytes() const { return bytes_; }
 
@@ -61,8 +64,8 @@ class Resolver {
       case DType::kBF16:
         return cpu::WeightType::kBF16;
       default:
-        invalid_input("tensor '{}' has dtype {}; weights must be F32, F16 or BF16 (in '{}')", t.name, dtype_name(t.dtype),
-                      t.file.string());
+        invalid_input("tensor '{}' has dtype {}; weights must be F32, F16 or BF16 (in '{}')", t.name,
+                      dtype_name(t.dtype), t.file.string());
     }
   }
 
@@ -81,8 +84,8 @@ class Resolver {
         return t.dtype == DType::kF16 ? f16_to_f32(h) : bf16_to_f32(h);
       }
       default:
-        invalid_input("tensor '{}' has dtype {}; expected F32, F16 or BF16 (in '{}')", t.name, dtype_name(t.dtype),
-                      t.file.string());
+        invalid_input("tensor '{}' has dtype {}; expected F32, F16 or BF16 (in '{}')", t.name,
+                      dtype_name(t.dtype), t.file.string());
     }
   }
 
@@ -164,19 +167,31 @@ std::optional<MtpWeights> load_mtp_weights(const TensorStore& store, const Model
                                            float norm_offset) {
   const int64_t H = c.hidden_size;
   // Every tensor a dense one-layer head has (spec §1.2: exactly 15).
-  const std::vector<std::string> required = {
-      "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
-      "mtp.layers.0.input_layernorm.weight", "mtp.layers.0.post_attention_layernorm.weight",
-      "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.self_attn.k_proj.weight", "mtp.layers.0.self_attn.v_proj.weight",
-      "mtp.layers.0.self_attn.o_proj.weight", "mtp.layers.0.self_attn.q_norm.weight", "mtp.layers.0.self_attn.k_norm.weight",
-      "mtp.layers.0.mlp.gate_proj.weight", "mtp.layers.0.mlp.up_proj.weight", "mtp.layers.0.mlp.down_proj.weight"};
+  const std::vector<std::string> required = {"mtp.fc.weight",
+                                             "mtp.pre_fc_norm_embedding.weight",
+                                             "mtp.pre_fc_norm_hidden.weight",
+                                             "mtp.norm.weight",
+                                             "mtp.layers.0.input_layernorm.weight",
+                                             "mtp.layers.0.post_attention_layernorm.weight",
+                                             "mtp.layers.0.self_attn.q_proj.weight",
+                                             "mtp.layers.0.self_attn.k_proj.weight",
+                                             "mtp.layers.0.self_attn.v_proj.weight",
+                                             "mtp.layers.0.self_attn.o_proj.weight",
+                                             "mtp.layers.0.self_attn.q_norm.weight",
+                                             "mtp.layers.0.self_attn.k_norm.weight",
+                                             "mtp.layers.0.mlp.gate_proj.weight",
+                                             "mtp.layers.0.mlp.up_proj.weight",
+                                             "mtp.layers.0.mlp.down_proj.weight"};
   std::vector<std::string> missing;
   for (const std::string& name : required)
     if (store.find(name) == nullptr) missing.push_back(name);
   if (missing.size() == required.size()) {
-    status = {MtpStatus::Kind::kAbsent,
-              c.mtp_num_hidden_layers > 0 ? fmt::format("config declares mtp_num_hidden_layers={} but the checkpoint has no mtp.* tensors", c.mtp_num_hidden_layers)
-                                          : "the checkpoint has no MTP head"};
+    status = {
+        MtpStatus::Kind::kAbsent,
+        c.mtp_num_hidden_layers > 0
+            ? fmt::format("config declares mtp_num_hidden_layers={} but the checkpoint has no mtp.* tensors",
+                          c.mtp_num_hidden_layers)
+            : "the checkpoint has no MTP head"};
     return std::nullopt;
   }
   if (!missing.empty()) {
@@ -210,7 +225,8 @@ namespace {
 
 // Fills a bf16 matrix with approximately N(0, std^2) values (Irwin-Hall: a sum of 4 uniforms from
 // splitmix64), deterministic for a seed and fast enough for the 0.8B..27B shapes.
-cpu::WeightMatrix random_matrix(SyntheticStorage& s, uint64_t seed, int64_t rows, int64_t cols, float stddev) {
+cpu::WeightMatrix random_matrix(SyntheticStorage& s, uint64_t seed, int64_t rows, int64_t cols,
+                                float stddev) {
   const int64_t n = rows * cols;
   auto buffer = std::make_unique<uint16_t[]>(static_cast<size_t>(n));
   uint16_t* data = buffer.get();
@@ -222,7 +238,8 @@ cpu::WeightMatrix random_matrix(SyntheticStorage& s, uint64_t seed, int64_t rows
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z ^= z >> 31;
-    const float sum = static_cast<float>((z & 0xffff) + ((z >> 16) & 0xffff) + ((z >> 32) & 0xffff) + (z >> 48));
+    const float sum =
+        static_cast<float>((z & 0xffff) + ((z >> 16) & 0xffff) + ((z >> 32) & 0xffff) + (z >> 48));
     data[i] = f32_to_bf16((sum - 2.0f * 65535.0f) * scale);
   }
   cpu::WeightMatrix w{cpu::WeightType::kBF16, data, rows, cols};
@@ -294,8 +311,13 @@ ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, Synthet
   auto bytes = [](const cpu::WeightMatrix& m) { return m.rows * m.cols * 2; };
   w.matrix_bytes += bytes(w.embed_tokens) + (w.tied ? 0 : bytes(w.lm_head));
   for (const LayerWeights& l : w.layers) {
-    if (l.attention) w.matrix_bytes += bytes(l.attention->q_proj) + bytes(l.attention->k_proj) + bytes(l.attention->v_proj) + bytes(l.attention->o_proj);
-    if (l.delta_net) w.matrix_bytes += bytes(l.delta_net->in_proj_qkv) + bytes(l.delta_net->in_proj_z) + bytes(l.delta_net->in_proj_b) + bytes(l.delta_net->in_proj_a) + bytes(l.delta_net->out_proj);
+    if (l.attention)
+      w.matrix_bytes += bytes(l.attention->q_proj) + bytes(l.attention->k_proj) + bytes(l.attention->v_proj) +
+                        bytes(l.attention->o_proj);
+    if (l.delta_net)
+      w.matrix_bytes += bytes(l.delta_net->in_proj_qkv) + bytes(l.delta_net->in_proj_z) +
+                        bytes(l.delta_net->in_proj_b) + bytes(l.delta_net->in_proj_a) +
+                        bytes(l.delta_net->out_proj);
     w.matrix_bytes += bytes(l.mlp.gate_proj) + bytes(l.mlp.up_proj) + bytes(l.mlp.down_proj);
   }
   return w;
@@ -305,7 +327,9 @@ MtpWeights make_synthetic_mtp_weights(const ModelConfig& c, uint64_t seed, Synth
   std::mt19937_64 rng(seed);
   uint64_t next = seed * 7919ull + 17;
   const int64_t H = c.hidden_size, I = c.intermediate_size;
-  auto mat = [&](int64_t rows, int64_t cols) { return random_matrix(s, ++next, rows, cols, 1.0f / std::sqrt(static_cast<float>(cols))); };
+  auto mat = [&](int64_t rows, int64_t cols) {
+    return random_matrix(s, ++next, rows, cols, 1.0f / std::sqrt(static_cast<float>(cols)));
+  };
   MtpWeights m;
   m.fc = mat(H, 2 * H);
   m.pre_fc_norm_embedding = random_vector(rng, H, 1.0f, 0.1f);

@@ -19,10 +19,10 @@ class TensorStore;
 
 // Gated full attention (§3).
 struct AttentionWeights {
-  cpu::WeightMatrix q_proj;  // [nq * 2D, H]  per head [query(D) | gate(D)]
-  cpu::WeightMatrix k_proj;  // [nkv * D, H]
-  cpu::WeightMatrix v_proj;  // [nkv * D, H]
-  cpu::WeightMatrix o_proj;  // [H, nq * D]
+  cpu::WeightMatrix q_proj;   // [nq * 2D, H]  per head [query(D) | gate(D)]
+  cpu::WeightMatrix k_proj;   // [nkv * D, H]
+  cpu::WeightMatrix v_proj;   // [nkv * D, H]
+  cpu::WeightMatrix o_proj;   // [H, nq * D]
   std::vector<float> q_norm;  // [D]  1 + w
   std::vector<float> k_norm;  // [D]  1 + w
 };
@@ -49,8 +49,8 @@ struct MlpWeights {
 
 struct LayerWeights {
   LayerType type = LayerType::kLinearAttention;
-  std::vector<float> input_norm;      // [H]  1 + w
-  std::vector<float> post_attn_norm;  // [H]  1 + w
+  std::vector<float> input_norm;              // [H]  1 + w
+  std::vector<float> post_attn_norm;          // [H]  1 + w
   std::optional<AttentionWeights> attention;  // full-attention layers
   std::optional<DeltaNetWeights> delta_net;   // linear-attention layers
   MlpWeights mlp;
@@ -68,7 +68,7 @@ struct ModelWeights {
 // The native MTP head (spec §6.1): fc over [norm(embedding) ; norm(hidden)], one full-attention decoder
 // layer with its own KV cache, a final norm; embed_tokens and lm_head are the trunk's (shared, not copied).
 struct MtpWeights {
-  cpu::WeightMatrix fc;                    // [H, 2H]  input order: embedding first, hidden second
+  cpu::WeightMatrix fc;                      // [H, 2H]  input order: embedding first, hidden second
   std::vector<float> pre_fc_norm_embedding;  // [H]  1 + w
   std::vector<float> pre_fc_norm_hidden;     // [H]  1 + w
   std::vector<float> norm;                   // [H]  1 + w  (mtp.norm)
@@ -85,12 +85,13 @@ struct MtpStatus {
 // Resolves every tensor of the trunk from `store` and checks its shape and dtype against `config`.
 // Errors name the tensor, the expected and the found shape. `norm_offset` is what the checkpoint's
 // zero-centered norms need added (1 for Hugging Face checkpoints).
-ModelWeights load_model_weights(const TensorStore& store, const ModelConfig& config, float norm_offset = 1.0f);
+ModelWeights load_model_weights(const TensorStore& store, const ModelConfig& config,
+                                float norm_offset = 1.0f);
 
 // Resolves the `mtp.*` tensors when the checkpoint has them. Never throws for a missing or mismatched head:
 // the status says what is wrong (with the tensor names), and the caller decides whether that is an error.
-std::optional<MtpWeights> load_mtp_weights(const TensorStore& store, const ModelConfig& config, MtpStatus& status,
-                                           float norm_offset = 1.0f);
+std::optional<MtpWeights> load_mtp_weights(const TensorStore& store, const ModelConfig& config,
+                                           MtpStatus& status, float norm_offset = 1.0f);
 
 // Random weights with `config`'s shapes (bf16 matrices), for benchmarks at real scale without a download.
 // The returned buffers own the data the views point into.

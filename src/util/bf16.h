@@ -1,8 +1,8 @@
 // Scalar conversions between float32 and the 16-bit float formats stored in checkpoints.
 #pragma once
 
-#include <cstdint>
 #include <bit>
+#include <cstdint>
 #include <cstring>
 
 namespace mtpx {

@@ -3,10 +3,10 @@
 // one place (cli/main.cpp, server/).
 #pragma once
 
+#include <fmt/format.h>
+
 #include <stdexcept>
 #include <string>
-
-#include <fmt/format.h>
 
 namespace mtpx {
 

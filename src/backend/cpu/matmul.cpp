@@ -35,8 +35,10 @@ float load_scalar(const void* data, WeightType type, int64_t index) {
 
 template <WeightType T>
 constexpr int64_t kWeightBytes = T == WeightType::kF32 ? 4 : 2;
-// One prefetch per 64-byte line, into the rows of the next output tile (the same thread's next tile under
-// the static schedule), one tile ahead of the loads.
+// One prefetch per 64-byte line, into the rows of the output tile kPrefetchTiles ahead (the same
+// thread's tiles under the static schedule are adjacent in memory). Two tiles ahead looked faster on an
+// isolated lm_head but not in whole-model decode (paired runs, AVX2 EPYC, 2 threads), so one.
+constexpr int64_t kPrefetchTiles = 1;
 template <WeightType T>
 constexpr int64_t kPrefetchMask = 64 / kWeightBytes<T> - 1;
 
@@ -48,20 +50,24 @@ constexpr int64_t kPrefetchMask = 64 / kWeightBytes<T> - 1;
 
 // AVX-512: 16 lanes. Loads widen bf16 by a 16-bit shift and f16 with vcvtph2ps.
 template <WeightType T>
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline __m512 load16(const void* base, int64_t index) {
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline __m512 load16(const void* base,
+                                                                              int64_t index) {
   if constexpr (T == WeightType::kF32) {
     return _mm512_loadu_ps(static_cast<const float*>(base) + index);
   } else if constexpr (T == WeightType::kF16) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
   } else {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index));
+    __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
 }
 
 template <WeightType T, int NR, int NO>
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tile_avx512(const WeightMatrix& w, const float* x,
-                                                                         int64_t m0, int64_t o0, float* y) {
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tile_avx512(const WeightMatrix& w,
+                                                                          const float* x, int64_t m0,
+                                                                          int64_t o0, float* y) {
   const int64_t k_dim = w.cols;
   const int64_t k_vec = k_dim / 16 * 16;
   __m512 acc[NR][NO];
@@ -71,7 +77,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tile_avx512(const 
   for (int64_t k = 0; k < k_vec; k += 16) {
     if ((k & kPrefetchMask<T>) == 0)
       for (int o = 0; o < NO; ++o)
-        _mm_prefetch(wbytes + ((o0 + NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
+        _mm_prefetch(wbytes + ((o0 + kPrefetchTiles * NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
     __m512 wv[NO];
     for (int o = 0; o < NO; ++o) wv[o] = load16<T>(w.data, (o0 + o) * k_dim + k);
     for (int r = 0; r < NR; ++r) {
@@ -82,7 +88,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tile_avx512(const 
   for (int r = 0; r < NR; ++r)
     for (int o = 0; o < NO; ++o) {
       float s = _mm512_reduce_add_ps(acc[r][o]);
-      for (int64_t k = k_vec; k < k_dim; ++k) s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, (o0 + o) * k_dim + k);
+      for (int64_t k = k_vec; k < k_dim; ++k)
+        s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, (o0 + o) * k_dim + k);
       y[(m0 + r) * w.rows + o0 + o] = s;
     }
 }
@@ -93,7 +100,8 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* base, i
   if constexpr (T == WeightType::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(base) + index);
   } else if constexpr (T == WeightType::kF16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index)));
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index)));
   } else {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -112,20 +120,51 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
 }
 
 template <WeightType T, int NR, int NO>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const WeightMatrix& w, const float* x, int64_t m0, int64_t o0,
-                                                        float* y) {
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const WeightMatrix& w, const float* x, int64_t m0,
+                                                        int64_t o0, float* y) {
   const int64_t k_dim = w.cols;
   const int64_t k_vec = k_dim / 8 * 8;
   __m256 acc[NR][NO];
   for (int r = 0; r < NR; ++r)
     for (int o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
   const char* wbytes = static_cast<const char*>(w.data);
-  for (int64_t k = 0; k < k_vec; k += 8) {
+  int64_t k_start = 0;
+  if constexpr (T == WeightType::kBF16) {
+    // bf16 by 16: one 32-byte load per weight row, widened by interleaving with zeros (unpacklo/hi_epi16
+    // yield k = {0-3, 8-11} and {4-7, 12-15} of the block); x is permuted to match. Fewer uops per weight
+    // byte than zero-extend + shift, measured 15-20% faster in decode-shaped products on AVX2 EPYC.
+    const __m256i zero = _mm256_setzero_si256();
+    const int64_t k16 = k_dim / 16 * 16;
+    for (int64_t k = 0; k < k16; k += 16) {
+      if ((k & kPrefetchMask<T>) == 0)
+        for (int o = 0; o < NO; ++o)
+          _mm_prefetch(wbytes + ((o0 + kPrefetchTiles * NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
+      __m256 w_lo[NO], w_hi[NO];
+      for (int o = 0; o < NO; ++o) {
+        const __m256i h = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.data) + (o0 + o) * k_dim + k));
+        w_lo[o] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h));
+        w_hi[o] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h));
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m256 xa = _mm256_loadu_ps(x + (m0 + r) * k_dim + k);
+        const __m256 xb = _mm256_loadu_ps(x + (m0 + r) * k_dim + k + 8);
+        const __m256 x_lo = _mm256_permute2f128_ps(xa, xb, 0x20);
+        const __m256 x_hi = _mm256_permute2f128_ps(xa, xb, 0x31);
+        for (int o = 0; o < NO; ++o) {
+          acc[r][o] = _mm256_fmadd_ps(x_lo, w_lo[o], acc[r][o]);
+          acc[r][o] = _mm256_fmadd_ps(x_hi, w_hi[o], acc[r][o]);
+        }
+      }
+    }
+    k_start = k16;
+  }
+  for (int64_t k = k_start; k < k_vec; k += 8) {
     // Software prefetch of the next tile: a tile reads NO interleaved short streams, which the hardware
     // prefetcher follows poorly.
     if ((k & kPrefetchMask<T>) == 0)
       for (int o = 0; o < NO; ++o)
-        _mm_prefetch(wbytes + ((o0 + NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
+        _mm_prefetch(wbytes + ((o0 + kPrefetchTiles * NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
     __m256 wv[NO];
     for (int o = 0; o < NO; ++o) wv[o] = load8<T>(w.data, (o0 + o) * k_dim + k);
     for (int r = 0; r < NR; ++r) {
@@ -136,7 +175,8 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const WeightMatrix& w, c
   for (int r = 0; r < NR; ++r)
     for (int o = 0; o < NO; ++o) {
       float s = hsum8(acc[r][o]);
-      for (int64_t k = k_vec; k < k_dim; ++k) s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, (o0 + o) * k_dim + k);
+      for (int64_t k = k_vec; k < k_dim; ++k)
+        s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, (o0 + o) * k_dim + k);
       y[(m0 + r) * w.rows + o0 + o] = s;
     }
 }
@@ -165,7 +205,8 @@ enum class Path { kAvx512, kAvx2, kScalar };
 
 Path detect_path() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
     return Path::kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Path::kAvx2;
   return Path::kScalar;
@@ -188,9 +229,10 @@ struct TileSet {
   int outputs_multi_row;   // ... 3 or more rows
 };
 
-#define MTPX_ROW(F, T, R) {F<T, R, 1>, F<T, R, 2>, F<T, R, 3>, F<T, R, 4>, F<T, R, 5>, F<T, R, 6>, F<T, R, 7>, F<T, R, 8>}
+#define MTPX_ROW(F, T, R) \
+  { F<T, R, 1>, F<T, R, 2>, F<T, R, 3>, F<T, R, 4>, F<T, R, 5>, F<T, R, 6>, F<T, R, 7>, F<T, R, 8> }
 #define MTPX_TILESET(F, T, SINGLE, TWO, MULTI) \
-  TileSet{{MTPX_ROW(F, T, 1), MTPX_ROW(F, T, 2), MTPX_ROW(F, T, 3), MTPX_ROW(F, T, 4)}, SINGLE, TWO, MULTI}
+  TileSet { {MTPX_ROW(F, T, 1), MTPX_ROW(F, T, 2), MTPX_ROW(F, T, 3), MTPX_ROW(F, T, 4)}, SINGLE, TWO, MULTI }
 
 template <WeightType T>
 const TileSet& tiles_for(Path p) {
@@ -228,9 +270,9 @@ constexpr int64_t kGemmBlockRows = 512;
 void matmul_gemm(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   const int64_t k = w.cols;
   if (w.type == WeightType::kF32) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(w.rows), static_cast<int>(k),
-                1.0f, x, static_cast<int>(k), static_cast<const float*>(w.data), static_cast<int>(k), 0.0f, y,
-                static_cast<int>(w.rows));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(w.rows),
+                static_cast<int>(k), 1.0f, x, static_cast<int>(k), static_cast<const float*>(w.data),
+                static_cast<int>(k), 0.0f, y, static_cast<int>(w.rows));
     return;
   }
   std::vector<float> block(static_cast<size_t>(std::min(kGemmBlockRows, w.rows) * k));
@@ -245,8 +287,9 @@ void matmul_gemm(const WeightMatrix& w, const float* x, int64_t m, float* y) {
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < n; ++i) block[static_cast<size_t>(i)] = f16_to_f32(src[i]);
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(nb), static_cast<int>(k), 1.0f,
-                x, static_cast<int>(k), block.data(), static_cast<int>(k), 0.0f, y + o0, static_cast<int>(w.rows));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(nb),
+                static_cast<int>(k), 1.0f, x, static_cast<int>(k), block.data(), static_cast<int>(k), 0.0f,
+                y + o0, static_cast<int>(w.rows));
   }
 }
 
@@ -268,7 +311,9 @@ void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   for (int64_t mb = 0; mb < m; mb += kRowBlock) {
     const int64_t mb_end = std::min(m, mb + kRowBlock);
     const int64_t rows = mb_end - mb;
-    const int64_t width = rows == 1 ? set.outputs_single_row : rows == 2 ? set.outputs_two_rows : set.outputs_multi_row;
+    const int64_t width = rows == 1   ? set.outputs_single_row
+                          : rows == 2 ? set.outputs_two_rows
+                                      : set.outputs_multi_row;
     const int64_t out_tiles = (w.rows + width - 1) / width;
 #pragma omp parallel for schedule(static) if (parallel && out_tiles > 1)
     for (int64_t t = 0; t < out_tiles; ++t) {
@@ -286,7 +331,8 @@ void matmul_reference(const WeightMatrix& w, const float* x, int64_t m, float* y
   for (int64_t r = 0; r < m; ++r)
     for (int64_t o = 0; o < w.rows; ++o) {
       double s = 0.0;
-      for (int64_t k = 0; k < w.cols; ++k) s += static_cast<double>(x[r * w.cols + k]) * load_scalar(w.data, w.type, o * w.cols + k);
+      for (int64_t k = 0; k < w.cols; ++k)
+        s += static_cast<double>(x[r * w.cols + k]) * load_scalar(w.data, w.type, o * w.cols + k);
       y[r * w.rows + o] = static_cast<float>(s);
     }
 }
