@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "util/bf16.h"
+#include "util/error.h"
 
 namespace mtpx::cpu {
 namespace {
@@ -29,6 +30,8 @@ float load_scalar(const void* data, WeightType type, int64_t index) {
       return f16_to_f32(static_cast<const uint16_t*>(data)[index]);
     case WeightType::kBF16:
       return bf16_to_f32(static_cast<const uint16_t*>(data)[index]);
+    case WeightType::kAffine:
+      break;  // codes are not addressable one by one: the affine kernels read them
   }
   return 0.0f;
 }
@@ -257,6 +260,7 @@ const TileSet& select_tiles(WeightType type) {
     case WeightType::kF16:
       return tiles_for<WeightType::kF16>(path());
     case WeightType::kBF16:
+    case WeightType::kAffine:
       break;
   }
   return tiles_for<WeightType::kBF16>(path());
@@ -295,8 +299,24 @@ void matmul_gemm(const WeightMatrix& w, const float* x, int64_t m, float* y) {
 
 }  // namespace
 
+int64_t weight_bytes(const WeightMatrix& w) {
+  switch (w.type) {
+    case WeightType::kF32:
+      return w.rows * w.cols * 4;
+    case WeightType::kF16:
+    case WeightType::kBF16:
+      return w.rows * w.cols * 2;
+    case WeightType::kAffine: {
+      const int64_t scale_bytes = w.scale_type == WeightType::kF32 ? 4 : 2;
+      return w.rows * w.cols * w.bits / 8 + 2 * w.rows * (w.cols / w.group_size) * scale_bytes;
+    }
+  }
+  return 0;
+}
+
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   if (m <= 0 || w.rows <= 0) return;
+  if (w.type == WeightType::kAffine) throw Error(ErrorKind::kInternal, "affine matmul: not implemented yet");
   if (w.cols == 0) {
     std::memset(y, 0, sizeof(float) * static_cast<size_t>(m * w.rows));
     return;

@@ -14,18 +14,33 @@
 
 namespace mtpx::cpu {
 
-enum class WeightType { kF32, kF16, kBF16 };
+// kAffine: group-wise affine quantization in the MLX layout (see WeightMatrix).
+enum class WeightType { kF32, kF16, kBF16, kAffine };
 
 // Row counts from which matmul switches to the GEMM path (see above).
 inline constexpr int64_t kGemmMinRows = 16;
 
 // A row-major [rows, cols] weight matrix (PyTorch nn.Linear layout: rows = out_features).
+// kAffine (MLX's affine quantization, mx.quantize): w[o, k] = scales[o, k / group_size] * q[o, k]
+// + biases[o, k / group_size], with q an unsigned `bits`-bit code. `data` is the packed uint32 array
+// [rows, cols * bits / 32]: each row's codes form one little-endian bit stream, code k at bits
+// [k * bits, (k + 1) * bits) (for bits 4 and 8 that is code j of a word at bits j * bits). scales and
+// biases are [rows, cols / group_size] in scale_type (f32, f16 or bf16).
 struct WeightMatrix {
   WeightType type = WeightType::kF32;
   const void* data = nullptr;
   int64_t rows = 0;  // out features
   int64_t cols = 0;  // in features
+  // kAffine only.
+  int bits = 0;
+  int64_t group_size = 0;
+  WeightType scale_type = WeightType::kBF16;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
 };
+
+// Bytes a full pass over the matrix reads (codes plus scales and biases for kAffine).
+int64_t weight_bytes(const WeightMatrix& w);
 
 // y[m, o] = sum_k x[m, k] * W[o, k]   for m < M, o < W.rows.
 // x: [M, W.cols] float32 row-major; y: [M, W.rows] float32 row-major (must not alias x).
