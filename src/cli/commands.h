@@ -10,5 +10,11 @@ namespace mtpx::cli {
 std::function<int()> add_generate_command(CLI::App& app);
 std::function<int()> add_tokenize_command(CLI::App& app);
 std::function<int()> add_logits_command(CLI::App& app);
+std::function<int()> add_synth_command(CLI::App& app);
+std::function<int()> add_inspect_command(CLI::App& app);
+std::function<int()> add_bench_command(CLI::App& app);
+std::function<int()> add_tune_command(CLI::App& app);
+std::function<int()> add_quantize_command(CLI::App& app);
+std::function<int()> add_graft_command(CLI::App& app);
 
 }  // namespace mtpx::cli

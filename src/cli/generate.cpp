@@ -11,6 +11,7 @@
 #include "cli/common.h"
 #include "io/model_config.h"
 #include "model/qwen35.h"
+#include "tools/runtime_profile.h"
 #include "util/error.h"
 
 namespace mtpx::cli {
@@ -30,7 +31,7 @@ struct GenerateFlags {
   int64_t samples = 1;
   bool json = false;
   bool mtp = false;
-  int64_t draft = 1;
+  std::optional<int64_t> draft;
 };
 
 nlohmann::json mtp_json(const MtpStats& m) {
@@ -83,7 +84,9 @@ int run_generate(const GenerateFlags& f) {
   if (f.mtp) {
     if (model->mtp() == nullptr)
       invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
-    options.draft = f.draft;
+    // K: the flag; else the tuned runtime profile of this model and machine (mtpx tune); else 1.
+    const std::optional<int64_t> tuned = tools::tuned_draft(dir);
+    options.draft = f.draft.value_or(tuned && *tuned > 0 ? *tuned : 1);
   }
   options.stop_ids = gen.eos_token_ids;
   for (int32_t id : model->config().eos_token_ids) options.stop_ids.push_back(id);
@@ -165,7 +168,8 @@ std::function<int()> add_generate_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{100000}));
   app.add_flag("--json", f->json, "print one JSON object (a list with --samples > 1)");
   app.add_flag("--mtp,!--no-mtp", f->mtp, "speculative decoding with the model's MTP head (default: off)");
-  app.add_option("--draft", f->draft, "MTP draft depth K")->check(CLI::Range(int64_t{1}, kMaxDraft));
+  app.add_option("--draft", f->draft, "MTP draft depth K (default: the tuned profile's, else 1)")
+      ->check(CLI::Range(int64_t{1}, kMaxDraft));
   return [f] { return run_generate(*f); };
 }
 

@@ -21,14 +21,24 @@ int main(int argc, char** argv) {
   add("tokenize", "print the token ids of a text", mtpx::cli::add_tokenize_command);
   add("logits", "write the logits and final hidden states of a prompt to a safetensors file",
       mtpx::cli::add_logits_command);
+  add("synth", "write a randomly initialized checkpoint with a real Qwen3.5 shape",
+      mtpx::cli::add_synth_command);
+  add("inspect", "describe a model directory without loading it: shapes, sizes, MTP status, memory",
+      mtpx::cli::add_inspect_command);
+  add("bench", "measure decoding speed, plain vs MTP, with a fixed protocol", mtpx::cli::add_bench_command);
+  add("tune", "find the fastest MTP draft depth on this machine and save it as the model's profile",
+      mtpx::cli::add_tune_command);
+  add("quantize", "quantize a model (MLX affine layout), keeping its MTP head",
+      mtpx::cli::add_quantize_command);
+  add("graft", "give a head-less model the MTP head of another build, verified by measured acceptance",
+      mtpx::cli::add_graft_command);
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
     if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-') {
-      std::fprintf(stderr, "error: unknown command '%s' (commands: generate, tokenize, logits; see --help)\n",
-                   argv[1]);
+      std::fprintf(stderr, "error: unknown command '%s' (see mtpx --help for the commands)\n", argv[1]);
       return 2;
     }
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -43,6 +43,10 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
       break;
     }
     if (static_cast<int64_t>(result.tokens.size()) >= options.max_tokens) break;
+    if (options.cancelled && options.cancelled()) {
+      result.finish_reason = "cancelled";
+      break;
+    }
     model.forward(state, std::span<const int32_t>(&token, 1), LogitRows::kLast, forward);
     ++result.stats.decode_steps;
     token = next();

@@ -22,6 +22,10 @@ struct GenerateOptions {
   // Test and benchmark hook: may replace the head's drafts (given the committed context). A replaced
   // draft is proposed with a one-hot draft distribution, which keeps the output exact.
   std::function<void(std::span<const int32_t> context, std::vector<int32_t>& drafts)> draft_hook;
+  // Asked before every forward pass after the first token (so between steps, never inside one); true
+  // ends generation early with finish_reason "cancelled" (a server's client went away or a stop string
+  // matched). Unset: generation runs to a stop id or max_tokens, as before.
+  std::function<bool()> cancelled;
 };
 
 inline constexpr int64_t kMaxDraft = 8;
@@ -64,7 +68,7 @@ struct GenerateStats {
 
 struct GenerateResult {
   std::vector<int32_t> tokens;  // generated ids (a final stop id included)
-  std::string finish_reason;    // "stop" or "length"
+  std::string finish_reason;    // "stop", "length" or "cancelled"
   GenerateStats stats;
 };
 

@@ -110,6 +110,10 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   std::vector<int32_t> drafts;
   std::vector<TokenDistribution> draft_dists, target_dists;
   while (going) {
+    if (options.cancelled && options.cancelled()) {
+      result.finish_reason = "cancelled";
+      break;
+    }
     // Draft d_1..d_k: the first from the head's last row, then chained on the head's own output (§6.3).
     const int64_t P = state.position();  // position of `last`
     const int64_t remaining = options.max_tokens - static_cast<int64_t>(result.tokens.size());

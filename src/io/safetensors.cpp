@@ -418,7 +418,9 @@ TensorStore TensorStore::open_directory(const std::filesystem::path& dir) {
     std::vector<std::string> candidates;
     for (const auto& entry : fs::directory_iterator(dir, ec)) {
       std::error_code entry_ec;
-      if (entry.path().extension() == ".safetensors" && entry.is_regular_file(entry_ec)) {
+      // mtp.safetensors is an MTP sidecar (mtpx graft), added by the model loader, not a weights file.
+      if (entry.path().extension() == ".safetensors" && entry.path().filename() != "mtp.safetensors" &&
+          entry.is_regular_file(entry_ec)) {
         candidates.push_back(entry.path().filename().string());
       }
     }

@@ -20,8 +20,19 @@ std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
   m->dir_ = dir;
   m->config_ = load_model_config(config_path);
   m->store_ = std::make_unique<TensorStore>(TensorStore::open_directory(dir));
-  m->weights_ = load_model_weights(*m->store_, m->config_);
-  m->mtp_ = load_mtp_weights(*m->store_, m->config_, m->mtp_status_);
+  // An MTP sidecar (written by `mtpx graft`) joins the store: its tensors are the head's.
+  const auto sidecar = dir / "mtp.safetensors";
+  if (std::filesystem::exists(sidecar) && m->store_->find("mtp.fc.weight") == nullptr) {
+    const auto real_dir = std::filesystem::canonical(dir), real_file = std::filesystem::canonical(sidecar);
+    if (real_file.parent_path() != real_dir)
+      invalid_input("'{}' resolves to '{}', outside the model directory", sidecar.string(),
+                    real_file.string());
+    m->store_->add_file(sidecar);
+  }
+  const CheckpointConvention convention = detect_checkpoint_convention(*m->store_, m->config_);
+  m->config_.tensor_prefix = convention.tensor_prefix;
+  m->weights_ = load_model_weights(*m->store_, m->config_, convention.norm_offset);
+  m->mtp_ = load_mtp_weights(*m->store_, m->config_, m->mtp_status_, convention.norm_offset);
   return m;
 }
 

@@ -33,9 +33,47 @@ class Resolver {
   }
 
   cpu::WeightMatrix matrix(const std::string& name, int64_t rows, int64_t cols) {
+    const TensorView& raw = store_.get(name);
+    if (raw.dtype == DType::kU32) return affine_matrix(raw, rows, cols);
     const TensorView& t = tensor(name, {rows, cols});
     cpu::WeightMatrix w{weight_type(t), t.data, rows, cols};
     bytes_ += static_cast<int64_t>(t.nbytes);
+    return w;
+  }
+
+  // MLX affine quantization (see cpu::WeightMatrix): `name` holds uint32 codes [rows, cols*bits/32],
+  // `<base>.scales` and `<base>.biases` [rows, cols/group]. bits and group size follow from the shapes.
+  cpu::WeightMatrix affine_matrix(const TensorView& codes, int64_t rows, int64_t cols) {
+    const std::string& name = codes.name;
+    const std::string base =
+        name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    const TensorView* scales = store_.find(base + ".scales");
+    const TensorView* biases = store_.find(base + ".biases");
+    if (scales == nullptr || biases == nullptr)
+      invalid_input("tensor '{}' is uint32 (quantized) but '{}.scales' or '{}.biases' is missing (in '{}')",
+                    name, base, base, codes.file.string());
+    if (codes.shape.size() != 2 || codes.shape[0] != rows || codes.shape[1] <= 0 ||
+        (codes.shape[1] * 32) % cols != 0)
+      invalid_input("quantized tensor '{}' has shape {}, which does not pack a [{}, {}] matrix (in '{}')",
+                    name, shape_string(codes.shape), rows, cols, codes.file.string());
+    const int64_t bits = codes.shape[1] * 32 / cols;
+    if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
+      invalid_input("quantized tensor '{}' packs {} bits per weight; supported: 2, 3, 4, 5, 6, 8 (in '{}')",
+                    name, bits, codes.file.string());
+    if (scales->shape.size() != 2 || scales->shape[0] != rows || scales->shape[1] <= 0 ||
+        cols % scales->shape[1] != 0 || biases->shape != scales->shape || biases->dtype != scales->dtype)
+      invalid_input("'{}.scales' {} / '{}.biases' {} do not fit the [{}, {}] matrix '{}'", base,
+                    shape_string(scales->shape), base, shape_string(biases->shape), rows, cols, name);
+    const int64_t group = cols / scales->shape[1];
+    if (group < 8 || (group * bits) % 32 != 0)
+      invalid_input("quantized tensor '{}' has group size {}, which is not supported", name, group);
+    cpu::WeightMatrix w{cpu::WeightType::kAffine, codes.data, rows, cols};
+    w.bits = static_cast<int>(bits);
+    w.group_size = group;
+    w.scale_type = weight_type(*scales);
+    w.scales = scales->data;
+    w.biases = biases->data;
+    bytes_ += static_cast<int64_t>(codes.nbytes + scales->nbytes + biases->nbytes);
     return w;
   }
 
@@ -53,6 +91,7 @@ class Resolver {
   }
 
   int64_t bytes() const { return bytes_; }
+  const TensorView* find(const std::string& name) const { return store_.find(name); }
 
  private:
   static cpu::WeightType weight_type(const TensorView& t) {
@@ -115,7 +154,11 @@ DeltaNetWeights load_delta_net(Resolver& r, const std::string& p, const ModelCon
   d.in_proj_b = r.matrix(p + "in_proj_b.weight", Hv, H);
   d.in_proj_a = r.matrix(p + "in_proj_a.weight", Hv, H);
   d.out_proj = r.matrix(p + "out_proj.weight", H, Hv * Dv);
-  d.conv1d = r.vector(p + "conv1d.weight", {conv_dim, 1, Kc});
+  // [C, 1, K] (Hugging Face) or [C, K, 1] (MLX): the same bytes for a depthwise kernel.
+  const TensorView* conv = r.find(p + "conv1d.weight");
+  const bool mlx_conv = conv != nullptr && conv->shape == std::vector<int64_t>{conv_dim, Kc, 1};
+  d.conv1d = r.vector(p + "conv1d.weight", mlx_conv ? std::vector<int64_t>{conv_dim, Kc, 1}
+                                                    : std::vector<int64_t>{conv_dim, 1, Kc});
   d.a_log = r.vector(p + "A_log", {Hv});
   d.dt_bias = r.vector(p + "dt_bias", {Hv});
   d.norm = r.vector(p + "norm.weight", {Dv});  // plain w: RMSNormGated is not zero-centered (§2.1)
@@ -132,14 +175,39 @@ MlpWeights load_mlp(Resolver& r, const std::string& p, const ModelConfig& c) {
 
 }  // namespace
 
+CheckpointConvention detect_checkpoint_convention(const TensorStore& store, const ModelConfig& c) {
+  CheckpointConvention conv;
+  conv.tensor_prefix = c.tensor_prefix;
+  if (store.find(c.tensor_prefix + "embed_tokens.weight") == nullptr) {
+    for (const char* prefix : {"model.language_model.", "language_model.model.", "model."})
+      if (store.find(std::string(prefix) + "embed_tokens.weight") != nullptr) {
+        conv.tensor_prefix = prefix;
+        break;
+      }
+  }
+  // MLX's converter adds the 1 of the zero-centered norms into the stored weights and moves conv1d to
+  // [C, K, 1]; the conv1d shape is the reliable sign (mlx-lm decides the same way), see tools/checkpoint.h.
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    if (c.layer_types[static_cast<size_t>(i)] != LayerType::kLinearAttention) continue;
+    const TensorView* conv1d =
+        store.find(conv.tensor_prefix + "layers." + std::to_string(i) + ".linear_attn.conv1d.weight");
+    if (conv1d != nullptr && conv1d->shape.size() == 3 && conv1d->shape[2] == 1 && conv1d->shape[1] > 1)
+      conv.norm_offset = 0.0f;
+    break;
+  }
+  return conv;
+}
+
 ModelWeights load_model_weights(const TensorStore& store, const ModelConfig& c, float norm_offset) {
   Resolver r(store, norm_offset);
   const std::string& P = c.tensor_prefix;
   ModelWeights w;
   w.embed_tokens = r.matrix(P + "embed_tokens.weight", c.vocab_size, c.hidden_size);
   // Tied when the config says so or when the checkpoint simply has no lm_head (§1.1).
-  if (store.find("lm_head.weight") != nullptr && !c.tie_word_embeddings) {
-    w.lm_head = r.matrix("lm_head.weight", c.vocab_size, c.hidden_size);
+  const std::string lm_head_name =
+      P == "language_model.model." ? "language_model.lm_head.weight" : std::string("lm_head.weight");
+  if (store.find(lm_head_name) != nullptr && !c.tie_word_embeddings) {
+    w.lm_head = r.matrix(lm_head_name, c.vocab_size, c.hidden_size);
   } else {
     w.lm_head = w.embed_tokens;
     w.tied = true;

@@ -82,6 +82,15 @@ struct MtpStatus {
   std::string detail;  // missing tensor names or the shape mismatch; empty when present
 };
 
+// How a checkpoint stores things: the tensor-name prefix of the trunk ("model.language_model." official,
+// "model." text-only, "language_model.model." MLX) and what its zero-centered norms need added (1 when
+// stored as w, as Hugging Face does; 0 when stored as 1 + w, as MLX conversions do).
+struct CheckpointConvention {
+  std::string tensor_prefix;
+  float norm_offset = 1.0f;
+};
+CheckpointConvention detect_checkpoint_convention(const TensorStore& store, const ModelConfig& config);
+
 // Resolves every tensor of the trunk from `store` and checks its shape and dtype against `config`.
 // Errors name the tensor, the expected and the found shape. `norm_offset` is what the checkpoint's
 // zero-centered norms need added (1 for Hugging Face checkpoints).

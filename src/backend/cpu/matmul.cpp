@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "backend/cpu/quant_matmul.h"
 #include "util/bf16.h"
 #include "util/error.h"
 
@@ -316,7 +317,10 @@ int64_t weight_bytes(const WeightMatrix& w) {
 
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   if (m <= 0 || w.rows <= 0) return;
-  if (w.type == WeightType::kAffine) throw Error(ErrorKind::kInternal, "affine matmul: not implemented yet");
+  if (w.type == WeightType::kAffine) {
+    affine_matmul(w, x, m, y);  // quant_matmul.cpp
+    return;
+  }
   if (w.cols == 0) {
     std::memset(y, 0, sizeof(float) * static_cast<size_t>(m * w.rows));
     return;
@@ -348,6 +352,10 @@ void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
 }
 
 void matmul_reference(const WeightMatrix& w, const float* x, int64_t m, float* y) {
+  if (w.type == WeightType::kAffine) {
+    affine_matmul_reference(w, x, m, y);
+    return;
+  }
   for (int64_t r = 0; r < m; ++r)
     for (int64_t o = 0; o < w.rows; ++o) {
       double s = 0.0;
@@ -358,6 +366,10 @@ void matmul_reference(const WeightMatrix& w, const float* x, int64_t m, float* y
 }
 
 void weight_row_to_f32(const WeightMatrix& w, int64_t row, float* out) {
+  if (w.type == WeightType::kAffine) {
+    affine_row_to_f32(w, row, out);
+    return;
+  }
   for (int64_t k = 0; k < w.cols; ++k) out[k] = load_scalar(w.data, w.type, row * w.cols + k);
 }
 

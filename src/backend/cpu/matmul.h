@@ -25,7 +25,8 @@ inline constexpr int64_t kGemmMinRows = 16;
 // + biases[o, k / group_size], with q an unsigned `bits`-bit code. `data` is the packed uint32 array
 // [rows, cols * bits / 32]: each row's codes form one little-endian bit stream, code k at bits
 // [k * bits, (k + 1) * bits) (for bits 4 and 8 that is code j of a word at bits j * bits). scales and
-// biases are [rows, cols / group_size] in scale_type (f32, f16 or bf16).
+// biases are [rows, cols / group_size] in scale_type (f32, f16 or bf16). The quantizer (quantize_affine)
+// and the affine kernels are in quant_matmul.h.
 struct WeightMatrix {
   WeightType type = WeightType::kF32;
   const void* data = nullptr;

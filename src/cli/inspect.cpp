@@ -1,0 +1,39 @@
+// mtpx inspect DIR: what a model directory holds and whether this machine can run it (tools/inspect.h).
+#include "tools/inspect.h"
+
+#include <fmt/core.h>
+
+#include "cli/commands.h"
+#include "cli/common.h"
+
+namespace mtpx::cli {
+namespace {
+
+struct InspectFlags {
+  std::string model;
+  bool json = false;
+  int64_t context = 4096;
+};
+
+int run_inspect(const InspectFlags& f) {
+  const auto dir = resolve_model_dir(f.model);
+  const nlohmann::json report = tools::inspect_model(dir, {.context = f.context});
+  if (f.json)
+    fmt::print("{}\n", report.dump(2));
+  else
+    fmt::print("{}", tools::render_inspect_report(report));
+  return 0;
+}
+
+}  // namespace
+
+std::function<int()> add_inspect_command(CLI::App& app) {
+  auto f = std::make_shared<InspectFlags>();
+  app.add_option("model", f->model, "model directory (default: $MTPX_MODEL or the shipped model)");
+  app.add_flag("--json", f->json, "print the report as JSON");
+  app.add_option("--context", f->context, "context length for the memory estimate")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  return [f] { return run_inspect(*f); };
+}
+
+}  // namespace mtpx::cli

@@ -1,0 +1,53 @@
+// Measuring decoding speed the same way everywhere (`mtpx bench`, `mtpx tune`, bench/): every case
+// (plain decoding and MTP at each K, greedy and sampled) runs on the same prompts in every run, the
+// cases interleaved within a run so that all of them see the same machine; after one warm-up, N runs
+// and the median with its spread. tok/s counts the tokens after the first (which comes from prefill)
+// per second of decoding.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "decode/generate.h"
+#include "model/qwen35.h"
+
+namespace mtpx::tools {
+
+struct BenchCase {
+  std::string sampler_name;  // "greedy", "default", ...
+  SamplerParams sampler;
+  int64_t draft = 0;  // 0: plain decoding
+};
+
+struct BenchProtocol {
+  std::vector<std::vector<int32_t>> prompts;
+  int64_t max_tokens = 400;
+  int runs = 3;
+  bool warmup = true;
+  uint64_t seed = 0;
+  // >= 0: the head's drafts are replaced by the trunk's own greedy continuation with probability A per
+  // position (else by a wrong token), to measure speculative speed at a chosen acceptance on models
+  // whose head is random (as vLLM's synthetic mode). Greedy cases only.
+  double synthetic_acceptance = -1.0;
+  std::vector<int32_t> stop_ids;
+};
+
+struct BenchResult {
+  BenchCase spec;
+  std::vector<double> tok_s;  // one per run
+  double median_tok_s = 0.0, min_tok_s = 0.0, max_tok_s = 0.0;
+  MtpStats mtp;                  // summed over the first run's prompts
+  double tokens_per_step = 1.0;  // generated tokens per forward pass of the trunk (decode phase)
+  std::vector<double> acceptance_by_position;
+};
+
+// Runs every case of the protocol; `progress` (may be empty) is told the fraction done.
+std::vector<BenchResult> run_bench(const Model& model, const BenchProtocol& protocol,
+                                   const std::vector<BenchCase>& cases,
+                                   const std::function<void(double)>& progress = {});
+
+// The median of a non-empty list.
+double median_of(std::vector<double> values);
+
+}  // namespace mtpx::tools

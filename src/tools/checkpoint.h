@@ -1,0 +1,104 @@
+// Writing model directories: the tensor manifest of a Qwen3.5 checkpoint, the two on-disk layouts
+// (Hugging Face's and MLX's) and atomic output directories. Used by `synth`, `quantize` and `graft`.
+//
+// The layouts differ in three ways (spec §1, and what mlx_lm.convert writes):
+//   tensor names   HF: model.language_model.X, lm_head.weight     MLX: language_model.model.X,
+//                                                                      language_model.lm_head.weight
+//   norms (1+w)    HF: w stored (zero-centered)                   MLX: 1+w stored
+//   conv1d         HF: [C, 1, K]                                   MLX: [C, K, 1]
+// The conv1d shape is how a reader tells the two conventions apart (as mlx-lm itself does), since the
+// bytes of [C, 1, K] and [C, K, 1] are the same and only the norm values differ. mtp.* keeps its name
+// in both layouts.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/matmul.h"
+#include "io/model_config.h"
+#include "model/weights.h"
+
+namespace mtpx::tools {
+
+enum class Layout { kHuggingFace, kMlx };
+
+// What a tensor is, which decides how it is stored and whether it may be quantized.
+enum class TensorRole {
+  kMatrix,     // a linear layer or the embedding: [rows, cols]
+  kNorm,       // zero-centered RMSNorm weight (engine value 1 + w)
+  kPlainNorm,  // the gated DeltaNet norm (plain w)
+  kVector,     // A_log, dt_bias
+  kConv1d,     // depthwise conv weight, engine layout [C * K]
+};
+
+// One tensor of a checkpoint, named canonically (the Hugging Face name) with its source.
+struct CheckpointTensor {
+  std::string name;  // e.g. "model.language_model.layers.0.mlp.up_proj.weight", "mtp.fc.weight"
+  TensorRole role = TensorRole::kMatrix;
+  std::vector<int64_t> shape;  // Hugging Face shape
+  bool mtp = false;            // part of the MTP head
+  // Where the values come from: a matrix of a loaded model, an engine-convention float vector, or
+  // (both null) random values for a synthetic checkpoint.
+  const cpu::WeightMatrix* matrix = nullptr;
+  const std::vector<float>* values = nullptr;
+};
+
+// Every tensor of `config`'s model (trunk, then head when `with_mtp`), random sources.
+std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, bool with_mtp);
+// The same manifest with each entry pointing at the loaded weights (mtp may be null: no head).
+std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, const ModelWeights& weights,
+                                                  const MtpWeights* mtp);
+
+// How matrices are stored.
+struct QuantSpec {
+  int bits = 16;  // 16: bf16; 2..8: affine group-wise (MLX) codes
+  int64_t group_size = 64;
+  int mtp_fc_bits = 16;  // mtp.fc separately (16: bf16, the default: its input mixes two norms' scales)
+  int embed_bits = 0;    // embed_tokens / lm_head separately (0: as `bits`)
+};
+
+struct WriteOptions {
+  Layout layout = Layout::kHuggingFace;
+  QuantSpec quant;
+  uint64_t seed = 0;                           // for random sources
+  int64_t max_shard_bytes = int64_t{4} << 30;  // larger checkpoints are sharded with an index
+  std::function<void(double fraction)> progress;
+};
+
+// The config.json object of `config` in the official wrapper layout (text_config), plus the
+// "quantization" entries MLX readers expect when matrices are quantized.
+nlohmann::json config_json(const ModelConfig& config, const WriteOptions& options);
+
+// Writes the tensors (sharded when large) into `dir`, which must exist (an AtomicDirectory's staging
+// path). Returns the bytes written.
+int64_t write_checkpoint_tensors(const std::filesystem::path& dir,
+                                 const std::vector<CheckpointTensor>& tensors, const WriteOptions& options);
+
+// Writes a JSON file atomically (temporary file + rename).
+void write_json_file(const std::filesystem::path& path, const nlohmann::json& value);
+
+// An output directory that appears all at once: files go into a staging directory next to the target,
+// commit() renames it into place; destroyed without commit() (an error, an interruption), the staging
+// directory is removed and the target is untouched. The target must not exist unless `replace` is set.
+class AtomicDirectory {
+ public:
+  AtomicDirectory(const std::filesystem::path& target, bool replace);
+  ~AtomicDirectory();
+  AtomicDirectory(const AtomicDirectory&) = delete;
+  AtomicDirectory& operator=(const AtomicDirectory&) = delete;
+
+  const std::filesystem::path& path() const { return staging_; }
+  void commit();
+
+ private:
+  std::filesystem::path target_;
+  std::filesystem::path staging_;
+  bool replace_ = false;
+  bool committed_ = false;
+};
+
+}  // namespace mtpx::tools

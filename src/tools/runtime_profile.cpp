@@ -1,0 +1,125 @@
+#include "tools/runtime_profile.h"
+
+#include <fmt/core.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <ctime>
+#include <fstream>
+
+#include "backend/cpu/matmul.h"
+#include "io/model_config.h"
+#include "tools/checkpoint.h"
+#include "util/error.h"
+
+namespace mtpx::tools {
+namespace {
+
+using nlohmann::json;
+
+std::string cpu_model_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  return "unknown";
+}
+
+bool writable_directory(const std::filesystem::path& dir) { return ::access(dir.c_str(), W_OK) == 0; }
+
+}  // namespace
+
+json hardware_fingerprint() {
+  return {{"device", "cpu"},
+          {"cpu", cpu_model_name()},
+          {"logical_cores", static_cast<int64_t>(::sysconf(_SC_NPROCESSORS_ONLN))},
+          {"simd", cpu::simd_path()},
+          {"threads", omp_get_max_threads()}};
+}
+
+std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir, bool for_writing) {
+  const auto in_model = model_dir / kRuntimeProfileName;
+  if (for_writing ? writable_directory(model_dir) : std::filesystem::exists(in_model)) return in_model;
+  std::filesystem::path cache;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0')
+    cache = xdg;
+  else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0')
+    cache = std::filesystem::path(home) / ".cache";
+  else
+    cache = std::filesystem::temp_directory_path();
+  std::error_code ec;
+  auto canonical = std::filesystem::weakly_canonical(model_dir, ec);
+  if (ec) canonical = std::filesystem::absolute(model_dir);
+  const size_t hash = std::hash<std::string>{}(canonical.string());
+  return cache / "mtpx" / fmt::format("{}-{:016x}", canonical.filename().string(), hash) /
+         kRuntimeProfileName;
+}
+
+std::filesystem::path save_runtime_profile(const std::filesystem::path& model_dir, json profile) {
+  const auto path = runtime_profile_path(model_dir, /*for_writing=*/true);
+  std::error_code ec;
+  std::filesystem::create_directories(path.parent_path(), ec);
+  if (ec) invalid_input("cannot create '{}': {}", path.parent_path().string(), ec.message());
+  const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  profile["mtpx_version"] = MTPX_VERSION;
+  profile["hardware"] = hardware_fingerprint();
+  profile["date"] = date;
+  write_json_file(path, profile);
+  return path;
+}
+
+json describe_runtime_profile(const std::filesystem::path& model_dir) {
+  const auto path = runtime_profile_path(model_dir, /*for_writing=*/false);
+  json out = {{"present", false}, {"path", path.string()}, {"summary", "none (run mtpx tune)"}};
+  if (!std::filesystem::exists(path)) return out;
+  out["present"] = true;
+  json p;
+  try {
+    p = read_json_file(path);
+  } catch (const Error& e) {
+    out["status"] = "invalid";
+    out["reason"] = e.what();
+    out["summary"] = fmt::format("invalid ({})", e.what());
+    return out;
+  }
+  if (!p.is_object() || !p.contains("draft") || !p["draft"].is_number_integer() ||
+      p["draft"].get<int64_t>() < 0 || p["draft"].get<int64_t>() > 8) {
+    out["status"] = "invalid";
+    out["reason"] = "no valid 'draft'";
+    out["summary"] = "invalid (no valid 'draft')";
+    return out;
+  }
+  const int64_t draft = p["draft"].get<int64_t>();
+  out["draft"] = draft;
+  out["date"] = p.value("date", "");
+  std::string stale;
+  if (p.value("mtpx_version", "") != MTPX_VERSION)
+    stale = fmt::format("made by mtpx {}, this is {}", p.value("mtpx_version", "?"), MTPX_VERSION);
+  else if (!p.contains("hardware") || p["hardware"] != hardware_fingerprint())
+    stale = "made on other hardware or with another thread count";
+  if (!stale.empty()) {
+    out["status"] = "stale";
+    out["reason"] = stale;
+    out["summary"] = fmt::format("stale, not used ({}): re-run mtpx tune", stale);
+    return out;
+  }
+  out["status"] = "valid";
+  out["summary"] =
+      fmt::format("{} ({}, {})", draft > 0 ? fmt::format("MTP K={}", draft) : std::string("plain decoding"),
+                  p.value("sampler", "?"), p.value("date", "?"));
+  return out;
+}
+
+std::optional<int64_t> tuned_draft(const std::filesystem::path& model_dir) {
+  const json d = describe_runtime_profile(model_dir);
+  if (d.value("status", "") != "valid") return std::nullopt;
+  return d["draft"].get<int64_t>();
+}
+
+}  // namespace mtpx::tools

@@ -1,0 +1,32 @@
+// The runtime profile `mtpx tune` saves per model and machine (mtpx_runtime.json): the draft depth K
+// that measured fastest here, with the evidence. `generate` and `serve` take K from it by default. A
+// profile made on other hardware or by another mtpx version is reported as stale and not used.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+namespace mtpx::tools {
+
+inline constexpr const char* kRuntimeProfileName = "mtpx_runtime.json";
+
+// What identifies "this machine" for a profile: CPU model, logical cores, SIMD path, worker threads.
+nlohmann::json hardware_fingerprint();
+
+// Where the profile of `model_dir` lives: the model directory itself when it is writable, else
+// $XDG_CACHE_HOME/mtpx/<name>-<hash of the canonical path>/ (default ~/.cache).
+std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir, bool for_writing);
+
+// Writes `profile` (adding version, hardware and date) atomically; returns the path written.
+std::filesystem::path save_runtime_profile(const std::filesystem::path& model_dir, nlohmann::json profile);
+
+// {"present", "path", "status": "valid"|"stale"|"invalid", "reason", "draft", "summary"}.
+nlohmann::json describe_runtime_profile(const std::filesystem::path& model_dir);
+
+// The tuned draft depth (0 = plain decoding was fastest) when a valid profile exists.
+std::optional<int64_t> tuned_draft(const std::filesystem::path& model_dir);
+
+}  // namespace mtpx::tools

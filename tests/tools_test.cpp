@@ -1,0 +1,303 @@
+// End-to-end tests of the model tools (synth, inspect, bench, tune, quantize, graft) on the shipped model
+// and on synthetic checkpoints, through the `mtpx` program.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli_util.h"
+#include "io/model_config.h"
+#include "io/safetensors.h"
+#include "model/qwen35.h"
+#include "tools/checkpoint.h"
+#include "tools/graft.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace mtpx {
+namespace {
+
+using testing_util::expect_usage_error;
+using testing_util::run;
+using testing_util::TempDir;
+
+const fs::path kShipped = fs::path(MTPX_SOURCE_DIR) / "models" / "default";
+
+json run_json(const std::string& args) {
+  const auto r = run(args);
+  EXPECT_EQ(r.code, 0) << args << "\n" << r.err;
+  return r.code == 0 ? json::parse(r.out) : json();
+}
+
+// A copy of the shipped model whose tensors pass through `keep` (hard links would share the inode, and
+// tests write profiles into the copy, so the small files are copied).
+fs::path copy_of_shipped(const fs::path& dir, const std::function<bool(const std::string&)>& keep = {}) {
+  fs::create_directories(dir);
+  for (const auto& e : fs::directory_iterator(kShipped)) {
+    const std::string name = e.path().filename().string();
+    if (name == "model.safetensors" || name.rfind("mtpx_runtime", 0) == 0) continue;
+    fs::copy_file(e.path(), dir / name);
+  }
+  SafetensorsFile file(kShipped / "model.safetensors");
+  std::vector<TensorToWrite> tensors;
+  for (const auto& [name, t] : file.tensors())
+    if (!keep || keep(name)) tensors.push_back({name, t.dtype, t.shape, {t.data, t.nbytes}});
+  write_safetensors(dir / "model.safetensors", tensors);
+  return dir;
+}
+
+TEST(Tools, InspectCountsEveryParameterAndReportsTheHead) {
+  const json r = run_json("inspect " + kShipped.string() + " --json");
+  ASSERT_TRUE(r.is_object());
+  EXPECT_TRUE(r["can_run"].get<bool>()) << r.dump();
+  EXPECT_EQ(r["mtp"]["status"], "present");
+  EXPECT_EQ(r["layout"], "huggingface");
+  EXPECT_TRUE(r["tied_embeddings"].get<bool>());
+  // Parameters and bytes per component add up to what the file holds (counted here from the header).
+  SafetensorsFile file(kShipped / "model.safetensors");
+  int64_t params = 0, head = 0, bytes = 0;
+  for (const auto& [name, t] : file.tensors()) {
+    params += t.numel();
+    bytes += static_cast<int64_t>(t.nbytes);
+    if (name.rfind("mtp.", 0) == 0) head += t.numel();
+  }
+  int64_t got_params = 0, got_bytes = 0;
+  for (const auto& [name, c] : r["components"].items()) {
+    got_params += c["parameters"].get<int64_t>();
+    got_bytes += c["bytes"].get<int64_t>();
+  }
+  EXPECT_EQ(got_params, params);
+  EXPECT_EQ(got_bytes, bytes);
+  EXPECT_EQ(r["components"]["mtp_head"]["parameters"].get<int64_t>(), head);
+  EXPECT_EQ(r["tokenizer"]["vocab_size"], 8192);
+  EXPECT_TRUE(r["tokenizer"]["chat_template"].get<bool>());
+  // Memory grows with the context by the KV of 2 trunk + 1 head attention layers (2 kv heads x 64, fp32).
+  const json small = run_json("inspect " + kShipped.string() + " --json --context 1000");
+  const json large = run_json("inspect " + kShipped.string() + " --json --context 2000");
+  EXPECT_EQ(large["memory"]["state_bytes"].get<int64_t>() - small["memory"]["state_bytes"].get<int64_t>(),
+            3 * 2 * 1000 * 2 * 64 * 4);
+  // The text form says the same.
+  const auto text = run("inspect " + kShipped.string());
+  EXPECT_EQ(text.code, 0);
+  EXPECT_NE(text.out.find("mtp head   present"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("can run    yes"), std::string::npos) << text.out;
+}
+
+TEST(Tools, InspectNamesMissingAndMisfitHeadTensors) {
+  TempDir dir;
+  copy_of_shipped(dir.path() / "absent", [](const std::string& n) { return n.rfind("mtp.", 0) != 0; });
+  EXPECT_EQ(run_json("inspect " + (dir.path() / "absent").string() + " --json")["mtp"]["status"], "absent");
+  copy_of_shipped(dir.path() / "incomplete",
+                  [](const std::string& n) { return n != "mtp.layers.0.mlp.up_proj.weight"; });
+  const json inc = run_json("inspect " + (dir.path() / "incomplete").string() + " --json");
+  EXPECT_EQ(inc["mtp"]["status"], "incomplete");
+  EXPECT_NE(inc["mtp"]["detail"].get<std::string>().find("mtp.layers.0.mlp.up_proj.weight"),
+            std::string::npos);
+  EXPECT_TRUE(inc["can_run"].get<bool>());  // the trunk still runs, without MTP
+  const auto missing_trunk = run("inspect " + (dir.path() / "nothing").string());
+  EXPECT_EQ(missing_trunk.code, 2);
+}
+
+TEST(Tools, SynthWritesALoadableOfficialLayoutCheckpoint) {
+  TempDir dir;
+  const fs::path out = dir.path() / "tiny";
+  const auto w = run("synth --shape tiny --out " + out.string() + " --mtp --seed 3");
+  ASSERT_EQ(w.code, 0) << w.err;
+  const json config = read_json_file(out / "config.json");
+  EXPECT_EQ(config["architectures"][0], "Qwen3_5ForConditionalGeneration");
+  EXPECT_EQ(config["text_config"]["mtp_num_hidden_layers"], 1);
+  SafetensorsFile file(out / "model.safetensors");
+  EXPECT_NE(file.find("model.language_model.layers.0.linear_attn.in_proj_qkv.weight"), nullptr);
+  EXPECT_NE(file.find("mtp.fc.weight"), nullptr);
+  EXPECT_EQ(file.find("model.language_model.layers.0.linear_attn.conv1d.weight")->shape,
+            (std::vector<int64_t>{512, 1, 4}));
+  const json r = run_json("inspect " + out.string() + " --json");
+  EXPECT_EQ(r["mtp"]["status"], "present");
+  EXPECT_TRUE(r["can_run"].get<bool>());
+  // Greedy MTP on it is lossless like on any model.
+  const std::string gen = "generate --model " + out.string() + " --prompt-ids 5,6,7,8 --max-tokens 12 --json";
+  EXPECT_EQ(run_json(gen)["tokens"], run_json(gen + " --mtp --draft 3")["tokens"]);
+  // Same seed, same bytes; the target must not exist.
+  expect_usage_error("synth --shape tiny --out " + out.string(), "already exists");
+  expect_usage_error("synth --shape 3B --out " + (dir.path() / "x").string(), "unknown shape");
+  expect_usage_error("synth --shape tiny --bits 5 --out " + (dir.path() / "y").string(), "--bits");
+  EXPECT_FALSE(fs::exists(dir.path() / "x"));
+}
+
+TEST(Tools, BenchPairsPlainAndMtpAndSyntheticAcceptanceIsHonoured) {
+  const json r = run_json("bench --max-tokens 24 --runs 1 --draft 2 --json");
+  ASSERT_TRUE(r.contains("results"));
+  std::set<std::string> seen;
+  for (const auto& row : r["results"]) {
+    seen.insert(row["sampler"].get<std::string>() + "/" + std::to_string(row["draft"].get<int64_t>()));
+    EXPECT_GT(row["tok_s_median"].get<double>(), 0);
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"greedy/0", "greedy/2", "default/0", "default/2"}));
+  const json all = run_json("bench --max-tokens 24 --runs 1 --draft 3 --synthetic-acceptance 1 --json");
+  const json none = run_json("bench --max-tokens 24 --runs 1 --draft 3 --synthetic-acceptance 0 --json");
+  for (const auto& row : all["results"]) {
+    if (row["draft"] == 3) {
+      EXPECT_DOUBLE_EQ(row["acceptance"].get<double>(), 1.0);
+    }
+  }
+  for (const auto& row : none["results"]) {
+    if (row["draft"] == 3) {
+      EXPECT_DOUBLE_EQ(row["acceptance"].get<double>(), 0.0);
+    }
+  }
+  expect_usage_error("bench --runs 0", "--runs");
+}
+
+TEST(Tools, TuneSavesAProfileThatGenerateUsesAndStaleProfilesAreNotUsed) {
+  TempDir dir;
+  const fs::path model = copy_of_shipped(dir.path() / "m");
+  const auto t =
+      run("tune --model " + model.string() + " --max-draft 2 --max-tokens 16 --runs 1 --margin 0 --json");
+  ASSERT_EQ(t.code, 0) << t.err;
+  const json profile = json::parse(t.out);
+  ASSERT_TRUE(fs::exists(model / "mtpx_runtime.json"));
+  ASSERT_TRUE(fs::exists(model / "mtpx_runtime.svg"));
+  EXPECT_EQ(profile["evidence"].size(), 3u);
+  const int64_t k = profile["draft"].get<int64_t>();
+  const json on_disk = read_json_file(model / "mtpx_runtime.json");
+  EXPECT_EQ(on_disk["draft"], k);
+  EXPECT_TRUE(on_disk.contains("hardware"));
+  EXPECT_EQ(run_json("inspect " + model.string() + " --json")["runtime_profile"]["status"], "valid");
+  // generate --mtp without --draft takes the tuned K (1 when the profile recommends plain decoding).
+  const json g =
+      run_json("generate --model " + model.string() + " --prompt-ids 1,2,3 --max-tokens 8 --mtp --json");
+  EXPECT_EQ(g["stats"]["mtp"]["draft"], k > 0 ? k : 1);
+  // A profile from another version is stale: reported, not used.
+  json stale = on_disk;
+  stale["mtpx_version"] = "0.0.0-other";
+  stale["draft"] = 2;
+  tools::write_json_file(model / "mtpx_runtime.json", stale);
+  const json s = run_json("inspect " + model.string() + " --json")["runtime_profile"];
+  EXPECT_EQ(s["status"], "stale");
+  const json g2 =
+      run_json("generate --model " + model.string() + " --prompt-ids 1,2,3 --max-tokens 8 --mtp --json");
+  EXPECT_EQ(g2["stats"]["mtp"]["draft"], 1);
+}
+
+TEST(Tools, GraftRestoresAStrippedHeadExactlyAndRefusesAForeignOne) {
+  TempDir dir;
+  const fs::path stripped =
+      copy_of_shipped(dir.path() / "stripped", [](const std::string& n) { return n.rfind("mtp.", 0) != 0; });
+  const fs::path out = dir.path() / "grafted";
+  const auto g = run("graft --trunk " + stripped.string() + " --donor " + kShipped.string() + " --out " +
+                     out.string() + " --json");
+  ASSERT_EQ(g.code, 0) << g.err;
+  const json report = json::parse(g.out);
+  ASSERT_TRUE(fs::exists(out / "mtp.safetensors"));
+  // The grafted head is the shipped one: the same measured acceptance, bit for bit.
+  const auto shipped = Model::load(kShipped);
+  const double expected = tools::teacher_forced_acceptance(*shipped, tools::graft_sample_ids(kShipped, 8192));
+  EXPECT_EQ(report["teacher_forced_acceptance"].get<double>(), expected);
+  EXPECT_GT(expected, 0.5);
+  EXPECT_EQ(run_json("inspect " + out.string() + " --json")["mtp"]["status"], "present");
+  const std::string gen = " --prompt-ids 1,2,3,4 --max-tokens 16 --mtp --draft 2 --json";
+  EXPECT_EQ(run_json("generate --model " + out.string() + gen)["tokens"],
+            run_json("generate --model " + kShipped.string() + gen)["tokens"]);
+  // Inputs untouched.
+  EXPECT_FALSE(fs::exists(stripped / "mtp.safetensors"));
+
+  // A head from a differently initialized model of the same shape does not fit: refused, no output.
+  const fs::path foreign = dir.path() / "foreign";
+  {
+    ModelConfig config = load_model_config(kShipped / "config.json");
+    tools::AtomicDirectory staging(foreign, false);
+    tools::WriteOptions o;
+    o.seed = 99;
+    tools::write_checkpoint_tensors(staging.path(), tools::checkpoint_manifest(config, true), o);
+    tools::write_json_file(staging.path() / "config.json", tools::config_json(config, o));
+    staging.commit();
+  }
+  expect_usage_error("graft --trunk " + stripped.string() + " --donor " + foreign.string() + " --out " +
+                         (dir.path() / "bad").string(),
+                     "acceptance");
+  EXPECT_FALSE(fs::exists(dir.path() / "bad"));
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+  // Mismatched shapes are refused before anything is measured.
+  expect_usage_error("graft --trunk " + stripped.string() + " --donor " +
+                         (fs::path(MTPX_SOURCE_DIR) / "tests/fixtures/causal_mtp_untied_f32").string() +
+                         " --out " + (dir.path() / "bad2").string(),
+                     "differs");
+  // A trunk with a head is refused without --force.
+  expect_usage_error("graft --trunk " + kShipped.string() + " --donor " + kShipped.string() + " --out " +
+                         (dir.path() / "bad3").string(),
+                     "already has an MTP head");
+}
+
+// Top-1 agreement of two models' logits over held-out text.
+double top1_agreement(const Model& a, const Model& b, const std::vector<int32_t>& ids) {
+  auto argmaxes = [&](const Model& m) {
+    InferenceState state = m.new_state(static_cast<int64_t>(ids.size()));
+    ForwardResult r;
+    m.forward(state, ids, LogitRows::kAll, r);
+    const int64_t V = m.config().vocab_size;
+    std::vector<int64_t> out;
+    for (size_t t = 0; t < ids.size(); ++t)
+      out.push_back(std::max_element(&r.logits[t * V], &r.logits[(t + 1) * V]) - &r.logits[t * V]);
+    return out;
+  };
+  const auto x = argmaxes(a), y = argmaxes(b);
+  int64_t same = 0;
+  for (size_t i = 0; i < x.size(); ++i) same += x[i] == y[i];
+  return static_cast<double>(same) / static_cast<double>(x.size());
+}
+
+TEST(Tools, QuantizeKeepsTheHeadAndGreedyMtpStaysLossless) {
+  TempDir dir;
+  const json samples =
+      read_json_file(fs::path(MTPX_SOURCE_DIR) / "tests/fixtures/trained_default/heldout_samples.json");
+  std::vector<int32_t> text;
+  for (int i = 0; i < 4; ++i) {
+    for (int32_t id : samples["samples"][i]["prompt_ids"]) text.push_back(id);
+    for (int32_t id : samples["samples"][i]["next_ids"]) text.push_back(id);
+  }
+  const auto bf16 = Model::load(kShipped);
+  for (int bits : {8, 4}) {
+    SCOPED_TRACE(bits);
+    const fs::path out = dir.path() / ("q" + std::to_string(bits));
+    const auto q = run("quantize --out " + out.string() + " --bits " + std::to_string(bits) + " --json");
+    ASSERT_EQ(q.code, 0) << q.err;
+    const json config = read_json_file(out / "config.json");
+    EXPECT_EQ(config["quantization"]["bits"], bits);
+    EXPECT_EQ(config["quantization"]["group_size"], 64);
+    SafetensorsFile file(out / "model.safetensors");
+    EXPECT_EQ(file.find("language_model.model.layers.0.mlp.up_proj.weight")->dtype, DType::kU32);
+    EXPECT_EQ(file.find("mtp.layers.0.mlp.up_proj.weight")->dtype, DType::kU32);  // the head is quantized too
+    EXPECT_EQ(file.find("mtp.fc.weight")->dtype, DType::kBF16);                   // ... except mtp.fc
+    EXPECT_EQ(file.find("language_model.model.norm.weight")->dtype, DType::kBF16);
+    const auto model = Model::load(out);
+    ASSERT_NE(model->mtp(), nullptr) << model->mtp_status().detail;
+    EXPECT_GE(top1_agreement(*bf16, *model, text), bits == 8 ? 0.97 : 0.85);
+    EXPECT_GT(tools::teacher_forced_acceptance(*model, text), 0.6);
+    const std::string gen = "generate --model " + out.string() +
+                            " --prompt \"def main():\" --max-tokens 40 --temperature 0 --json";
+    const json plain = run_json(gen);
+    for (int k : {1, 3})
+      EXPECT_EQ(run_json(gen + " --mtp --draft " + std::to_string(k))["tokens"], plain["tokens"]) << k;
+  }
+  expect_usage_error("quantize --out " + (dir.path() / "x").string() + " --bits 5", "--bits");
+  expect_usage_error("quantize --out " + (dir.path() / "q4").string() + " --bits 4", "already exists");
+  expect_usage_error("quantize --out " + (dir.path() / "no/such/parent").string() + " --bits 4",
+                     "parent directory");
+  // A synthetic checkpoint can be written quantized directly.
+  const fs::path synth = dir.path() / "synth4";
+  ASSERT_EQ(run("synth --shape tiny --bits 4 --mtp --out " + synth.string()).code, 0);
+  const json r = run_json("inspect " + synth.string() + " --json");
+  EXPECT_EQ(r["layout"], "mlx");
+  EXPECT_TRUE(r["components"]["trunk"]["storage"].contains("affine 4-bit g64")) << r["components"].dump();
+  const std::string gen = "generate --model " + synth.string() + " --prompt-ids 3,4,5 --max-tokens 10 --json";
+  EXPECT_EQ(run_json(gen)["tokens"], run_json(gen + " --mtp --draft 2")["tokens"]);
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+}
+
+}  // namespace
+}  // namespace mtpx
