@@ -16,5 +16,6 @@ std::function<int()> add_bench_command(CLI::App& app);
 std::function<int()> add_tune_command(CLI::App& app);
 std::function<int()> add_quantize_command(CLI::App& app);
 std::function<int()> add_graft_command(CLI::App& app);
+std::function<int()> add_serve_command(CLI::App& app);
 
 }  // namespace mtpx::cli

@@ -32,6 +32,8 @@ int main(int argc, char** argv) {
       mtpx::cli::add_quantize_command);
   add("graft", "give a head-less model the MTP head of another build, verified by measured acceptance",
       mtpx::cli::add_graft_command);
+  add("serve", "OpenAI-compatible HTTP server (chat, completions, SSE) with MTP on",
+      mtpx::cli::add_serve_command);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,11 @@
+// The built-in chat page served at `/`: one self-contained HTML file (CSS and JavaScript inline, no build
+// step), compiled into the binary from src/server/web/chat.html.
+#pragma once
+
+#include <string_view>
+
+namespace mtpx::server {
+
+std::string_view chat_page_html();
+
+}  // namespace mtpx::server

@@ -1,0 +1,49 @@
+// `mtpx serve`: an OpenAI-compatible HTTP server over one model (cpp-httplib). This file holds the HTTP
+// layer only: routes, authentication, body limits, Server-Sent Events, client disconnects. Requests
+// become GenerationJobs for the Scheduler (scheduler.h); the wire format lives in openai_api.h.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+namespace mtpx::server {
+
+struct ServerOptions {
+  std::filesystem::path model_dir;
+  std::string host = "127.0.0.1";
+  int port = 8080;      // 0: any free port (see Server::port())
+  std::string api_key;  // non-empty: /v1/* and /metrics need "Authorization: Bearer <key>"
+  int parallel = 4;     // generation slots
+  int max_queue = 64;   // requests waiting for a slot before 503
+  int threads = 0;      // worker threads of the forward passes (0: all cores)
+  int64_t draft = 0;    // MTP draft depth K; 0: the tuned profile's, else generate's default (1)
+  bool mtp = true;      // MTP on by default (when the model has a head)
+  int64_t context = 0;  // positions per request; 0: min(model's maximum, 8192)
+  size_t max_body_bytes = size_t{8} << 20;
+  bool log_requests = true;  // one line per request on stderr
+};
+
+class Server {
+ public:
+  // Loads the model, tokenizer, chat template and generation defaults; throws mtpx::Error naming the
+  // problem (missing tokenizer, bad flag values, ...).
+  explicit Server(ServerOptions options);
+  ~Server();
+
+  // Binds host:port; throws mtpx::Error (kInvalidInput) when it cannot. Returns the port bound.
+  int bind();
+  // Serves until stop() (from another thread or a signal watcher).
+  void serve();
+  void stop();
+
+  // One line describing what is served (model, MTP, slots), for the startup message.
+  std::string describe() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace mtpx::server

@@ -1,0 +1,80 @@
+// mtpx serve: the flags of the OpenAI-compatible server, and its life cycle (bind, serve, stop on
+// SIGINT/SIGTERM).
+#include <pthread.h>
+
+#include <CLI/CLI.hpp>
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "cli/common.h"
+#include "server/http_server.h"
+#include "util/error.h"
+
+namespace mtpx::cli {
+namespace {
+
+struct ServeFlags {
+  std::string model;
+  server::ServerOptions options;
+  bool quiet = false;
+};
+
+int run_serve(ServeFlags& f) {
+  f.options.model_dir = resolve_model_dir(f.model);
+  f.options.log_requests = !f.quiet;
+  // Signals go to one watcher thread (sigwait) instead of interrupting whichever thread they hit; the
+  // mask is set before any thread starts, so every thread inherits it.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);  // a client that hangs up is a failed write, not the end of the server
+
+  server::Server server(f.options);
+  const int port = server.bind();
+  std::fprintf(stderr, "mtpx serve: listening on http://%s:%d | %s\n", f.options.host.c_str(), port,
+               server.describe().c_str());
+  std::fflush(stderr);
+
+  std::thread watcher([&] {
+    int signal = 0;
+    sigwait(&stop_signals, &signal);
+    server.stop();
+  });
+  server.serve();
+  server.stop();
+  pthread_kill(watcher.native_handle(), SIGTERM);  // wakes the watcher if no signal came
+  watcher.join();
+  return 0;
+}
+
+}  // namespace
+
+std::function<int()> add_serve_command(CLI::App& app) {
+  auto f = std::make_shared<ServeFlags>();
+  server::ServerOptions& o = f->options;
+  app.add_option("--model", f->model, "model directory (default: $MTPX_MODEL or the shipped model)");
+  app.add_option("--host", o.host, "address to listen on (default: 127.0.0.1, this machine only)");
+  app.add_option("--port", o.port, "TCP port (0: any free port; default 8080)")->check(CLI::Range(0, 65535));
+  app.add_option("--api-key", o.api_key, "require 'Authorization: Bearer KEY' on /v1/* and /metrics");
+  app.add_option("--parallel", o.parallel, "requests generating at once (slots; default 4)")
+      ->check(CLI::Range(1, 256));
+  app.add_option("--queue", o.max_queue, "requests waiting for a slot before 503 (default 64)")
+      ->check(CLI::Range(0, 100000));
+  app.add_option("--threads", o.threads, "worker threads of the forward passes (default: all cores)")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--draft", o.draft, "MTP draft depth K (default: the tuned runtime profile's, else 1)")
+      ->check(CLI::Range(int64_t{1}, int64_t{8}));
+  app.add_flag("--mtp,!--no-mtp", o.mtp, "MTP speculative decoding by default (on; requests may override)");
+  app.add_option("--ctx-size", o.context,
+                 "most tokens per request, prompt + completion (default: min(model, 8192))")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  app.add_option("--max-body", o.max_body_bytes, "largest request body in bytes (default 8 MiB; larger: 413)")
+      ->check(CLI::Range(size_t{1024}, size_t{1} << 30));
+  app.add_flag("--quiet", f->quiet, "no request log on stderr");
+  return [f] { return run_serve(*f); };
+}
+
+}  // namespace mtpx::cli

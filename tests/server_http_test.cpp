@@ -1,0 +1,182 @@
+// The HTTP layer in process, with httplib's client: routes, OpenAI error objects (400/401/404/413),
+// SSE framing, the greedy output of /v1/completions, and the LIFO worker pool. (The end-to-end tests with
+// the OpenAI SDK, curl and a browser are in tests/server/.)
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <atomic>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+
+#include "decode/generate.h"
+#include "model/qwen35.h"
+#include "server/http_server.h"
+#include "server/thread_pool.h"
+#include "tokenizer/tokenizer.h"
+
+namespace fs = std::filesystem;
+
+namespace mtpx::server {
+namespace {
+
+const fs::path kModel = fs::path(MTPX_SOURCE_DIR) / "models" / "default";
+
+class RunningServer {
+ public:
+  explicit RunningServer(ServerOptions options) {
+    options.model_dir = kModel;
+    options.port = 0;
+    options.log_requests = false;
+    if (options.draft == 0) options.draft = 1;  // MTP on with K=1, whatever a `mtpx tune` profile says
+    server_ = std::make_unique<Server>(options);
+    port_ = server_->bind();
+    thread_ = std::thread([this] { server_->serve(); });
+  }
+  ~RunningServer() {
+    server_->stop();
+    thread_.join();
+  }
+  httplib::Client client() const {
+    httplib::Client c("127.0.0.1", port_);
+    c.set_read_timeout(60);
+    return c;
+  }
+
+ private:
+  std::unique_ptr<Server> server_;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+RunningServer& shared_server() {
+  static RunningServer server{ServerOptions{}};
+  return server;
+}
+
+nlohmann::json error_of(const httplib::Result& r, int status) {
+  EXPECT_TRUE(r);
+  EXPECT_EQ(r->status, status) << r->body;
+  auto j = nlohmann::json::parse(r->body);
+  EXPECT_EQ(j["error"].size(), 4u) << r->body;  // message, type, param, code
+  return j["error"];
+}
+
+TEST(HttpServer, HealthModelsAndPage) {
+  auto c = shared_server().client();
+  auto health = c.Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(nlohmann::json::parse(health->body)["status"], "ok");
+  auto models = nlohmann::json::parse(c.Get("/v1/models")->body);
+  EXPECT_EQ(models["data"][0]["id"], "default");
+  EXPECT_TRUE(models["data"][0]["mtp"]["enabled"].get<bool>());
+  auto page = c.Get("/");
+  EXPECT_EQ(page->get_header_value("Content-Type"), "text/html; charset=utf-8");
+  EXPECT_NE(page->body.find("/v1/chat/completions"), std::string::npos);
+  EXPECT_NE(c.Get("/metrics")->body.find("# TYPE mtpx_requests_total counter"), std::string::npos);
+}
+
+TEST(HttpServer, GreedyCompletionEqualsGenerate) {
+  auto model = Model::load(kModel);
+  auto tokenizer = Tokenizer::from_file(kModel / "tokenizer.json");
+  GenerateOptions o;
+  o.max_tokens = 24;
+  o.sampler.temperature = 0.0;
+  o.stop_ids = {8191, 8189};
+  o.vocab_limit = tokenizer.vocab_size();
+  auto want = generate(*model, tokenizer.encode("def add(a, b):"), o);
+  auto r = shared_server().client().Post(
+      "/v1/completions", R"({"prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0})",
+      "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  auto j = nlohmann::json::parse(r->body);
+  EXPECT_EQ(j["choices"][0]["text"], tokenizer.decode(want.tokens));
+  EXPECT_EQ(j["usage"]["completion_tokens"], 24);
+  EXPECT_EQ(j["usage"]["mtp"]["draft"], 1);
+}
+
+TEST(HttpServer, StreamIsSseEndingWithUsageAndDone) {
+  auto r = shared_server().client().Post(
+      "/v1/chat/completions",
+      R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": true, "mtp": false})",
+      "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->get_header_value("Content-Type"), "text/event-stream");
+  std::vector<std::string> frames;
+  for (size_t pos = 0; pos < r->body.size();) {
+    const size_t end = r->body.find("\n\n", pos);
+    ASSERT_NE(end, std::string::npos) << r->body;
+    frames.push_back(r->body.substr(pos, end - pos));
+    pos = end + 2;
+  }
+  ASSERT_GE(frames.size(), 4u);
+  EXPECT_EQ(frames.back(), "data: [DONE]");
+  auto usage = nlohmann::json::parse(frames[frames.size() - 2].substr(6));
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_FALSE(usage["usage"].contains("mtp"));  // "mtp": false
+  EXPECT_EQ(nlohmann::json::parse(frames[0].substr(6))["choices"][0]["delta"]["role"], "assistant");
+}
+
+TEST(HttpServer, ErrorsHaveTheOpenAiShape) {
+  auto c = shared_server().client();
+  EXPECT_EQ(error_of(c.Post("/v1/chat/completions", "{not json", "application/json"), 400)["type"],
+            "invalid_request_error");
+  EXPECT_EQ(error_of(c.Post("/v1/completions", R"({"prompt": "x", "model": "other"})", "application/json"),
+                     404)["code"],
+            "model_not_found");
+  EXPECT_EQ(error_of(c.Post("/v1/completions", R"({"prompt": "x", "max_tokens": 99999})", "application/json"),
+                     400)["code"],
+            "context_length_exceeded");
+  EXPECT_EQ(
+      error_of(c.Post("/v1/completions", R"({"prompt": "x", "n": 3})", "application/json"), 400)["param"],
+      "n");
+  error_of(c.Get("/v1/nowhere"), 404);
+}
+
+TEST(HttpServer, ApiKeyAndBodyLimit) {
+  ServerOptions options;
+  options.api_key = "k3y";
+  options.max_body_bytes = 2048;
+  options.parallel = 1;
+  RunningServer server(options);
+  auto c = server.client();
+  EXPECT_EQ(error_of(c.Get("/v1/models"), 401)["type"], "authentication_error");
+  httplib::Headers wrong = {{"Authorization", "Bearer nope"}}, right = {{"Authorization", "Bearer k3y"}};
+  error_of(c.Get("/v1/models", wrong), 401);
+  EXPECT_EQ(c.Get("/v1/models", right)->status, 200);
+  EXPECT_EQ(c.Get("/health")->status, 200);  // open without the key
+  const std::string big = R"({"prompt": ")" + std::string(4000, 'x') + R"("})";
+  error_of(c.Post("/v1/completions", right, big, "application/json"), 413);
+}
+
+TEST(LifoThreadPool, ReusesTheMostRecentlyIdleThreadAndDrainsOnShutdown) {
+  std::set<std::thread::id> used;
+  std::mutex mutex;
+  std::atomic<int> done{0};
+  {
+    LifoThreadPool pool(8);
+    for (int i = 0; i < 20; ++i) {
+      pool.enqueue([&] {
+        std::lock_guard lock(mutex);
+        used.insert(std::this_thread::get_id());
+        ++done;
+      });
+      while (done <= i) std::this_thread::yield();                 // one job at a time
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));  // its thread is idle again
+    }
+    EXPECT_LE(used.size(),
+              2u);  // sequential jobs stay on the warm thread (a FIFO pool rotates through all 8)
+    for (int i = 0; i < 50; ++i)
+      pool.enqueue([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        ++done;
+      });
+    pool.shutdown();  // runs what is queued first
+  }
+  EXPECT_EQ(done, 70);
+}
+
+}  // namespace
+}  // namespace mtpx::server
