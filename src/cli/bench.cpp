@@ -54,10 +54,8 @@ int run_bench_command(const BenchFlags& f) {
 
   std::vector<tools::BenchCase> cases = {{"greedy", SamplerParams{.temperature = 0.0}, 0}};
   if (mtp) cases.push_back({"greedy", SamplerParams{.temperature = 0.0}, draft});
-  const bool sampled = gen.do_sample && gen.temperature > 0 && f.synthetic_acceptance < 0;
-  if (sampled) {
-    const SamplerParams s{
-        .temperature = gen.temperature, .top_k = gen.top_k, .top_p = gen.top_p, .min_p = gen.min_p};
+  const SamplerParams s = sampler_defaults(gen);
+  if (!s.greedy() && f.synthetic_acceptance < 0) {
     cases.push_back({"default", s, 0});
     if (mtp) cases.push_back({"default", s, draft});
   }

@@ -35,17 +35,12 @@ struct GenerateFlags {
 };
 
 nlohmann::json mtp_json(const MtpStats& m) {
-  std::vector<double> by_position;
-  for (size_t i = 0; i < m.drafted_by_position.size(); ++i)
-    by_position.push_back(m.drafted_by_position[i] > 0 ? static_cast<double>(m.accepted_by_position[i]) /
-                                                             static_cast<double>(m.drafted_by_position[i])
-                                                       : 0.0);
   return {{"draft", m.draft},
           {"steps", m.steps},
           {"drafted", m.drafted},
           {"accepted", m.accepted},
           {"acceptance", m.acceptance()},
-          {"acceptance_by_position", by_position},
+          {"acceptance_by_position", m.acceptance_by_position()},
           {"mean_accepted_per_step", m.mean_accepted_per_step()}};
 }
 
@@ -72,10 +67,7 @@ int run_generate(const GenerateFlags& f) {
   const GenerationConfig gen = load_generation_config(dir / "generation_config.json");
   GenerateOptions options;
   options.max_tokens = f.max_tokens;
-  options.sampler.temperature = gen.do_sample ? gen.temperature : 0.0;
-  options.sampler.top_k = gen.top_k;
-  options.sampler.top_p = gen.top_p;
-  options.sampler.min_p = gen.min_p;
+  options.sampler = sampler_defaults(gen);
   if (f.temperature) options.sampler.temperature = *f.temperature;
   if (f.top_k) options.sampler.top_k = *f.top_k;
   if (f.top_p) options.sampler.top_p = *f.top_p;

@@ -33,16 +33,9 @@ int run_tune(TuneFlags f) {
                   model->mtp_status().detail);
   const auto tokenizer = load_tokenizer_if_present(dir);
   tools::TuneOptions& o = f.options;
-  if (o.sampler_name == "default") {
-    const GenerationConfig gen = load_generation_config(dir / "generation_config.json");
-    if (gen.do_sample && gen.temperature > 0)
-      o.sampler = {
-          .temperature = gen.temperature, .top_k = gen.top_k, .top_p = gen.top_p, .min_p = gen.min_p};
-    else
-      o.sampler = {.temperature = 0.0};
-  } else {
-    o.sampler = {.temperature = 0.0};
-  }
+  o.sampler = o.sampler_name == "default"
+                  ? sampler_defaults(load_generation_config(dir / "generation_config.json"))
+                  : SamplerParams{.temperature = 0.0};
   const auto prompts = tools::builtin_prompt_ids(tokenizer, model->config().vocab_size, o.prompts);
   tools::ProgressBar bar("tune");
   const nlohmann::json profile =

@@ -42,6 +42,15 @@ struct MtpStats {
   double acceptance() const {
     return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
   }
+  // accepted / drafted at each draft position (0 where nothing was drafted).
+  std::vector<double> acceptance_by_position() const {
+    std::vector<double> out;
+    for (size_t i = 0; i < drafted_by_position.size(); ++i)
+      out.push_back(drafted_by_position[i] > 0 ? static_cast<double>(accepted_by_position[i]) /
+                                                     static_cast<double>(drafted_by_position[i])
+                                               : 0.0);
+    return out;
+  }
   double mean_accepted_per_step() const {
     return steps > 0 ? static_cast<double>(accepted) / static_cast<double>(steps) : 0.0;
   }

@@ -102,4 +102,9 @@ int32_t sample(const TokenDistribution& d, Rng& rng) {
   return d.ids.back();  // u beyond the float-rounded total
 }
 
+SamplerParams sampler_defaults(const GenerationConfig& g) {
+  return {
+      .temperature = g.do_sample ? g.temperature : 0.0, .top_k = g.top_k, .top_p = g.top_p, .min_p = g.min_p};
+}
+
 }  // namespace mtpx

@@ -8,6 +8,8 @@
 #include <span>
 #include <vector>
 
+#include "io/model_config.h"
+
 namespace mtpx {
 
 struct SamplerParams {
@@ -18,6 +20,9 @@ struct SamplerParams {
 
   bool greedy() const { return temperature <= 0.0; }
 };
+
+// The sampler a checkpoint ships (generation_config.json): its settings, greedy when do_sample is false.
+SamplerParams sampler_defaults(const GenerationConfig& config);
 
 // Validates ranges; throws mtpx::Error (kInvalidInput) naming the parameter.
 void validate(const SamplerParams& params);

@@ -289,11 +289,11 @@ GenerationRequest make_generation_request(std::vector<int32_t> prompt, const Sam
   r.prompt = std::move(prompt);
   GenerateOptions& o = r.options;
   o.max_tokens = max_tokens;
-  const GenerationConfig& g = defaults.generation;
-  o.sampler.temperature = s.temperature.value_or(g.do_sample ? g.temperature : 0.0);
-  o.sampler.top_k = s.top_k.value_or(g.top_k);
-  o.sampler.top_p = s.top_p.value_or(g.top_p);
-  o.sampler.min_p = s.min_p.value_or(g.min_p);
+  const SamplerParams d = sampler_defaults(defaults.generation);
+  o.sampler.temperature = s.temperature.value_or(d.temperature);
+  o.sampler.top_k = s.top_k.value_or(d.top_k);
+  o.sampler.top_p = s.top_p.value_or(d.top_p);
+  o.sampler.min_p = s.min_p.value_or(d.min_p);
   validate(o.sampler);
   // No seed: a fresh one, so unseeded requests differ as OpenAI's do.
   o.seed = s.seed ? *s.seed : std::random_device{}() * uint64_t{0x9e3779b97f4a7c15} + std::random_device{}();
@@ -311,17 +311,12 @@ nlohmann::json usage_json(const GenerationOutcome& outcome) {
                           {"total_tokens", st.prompt_tokens + st.generated_tokens}};
   const MtpStats& m = st.mtp;
   if (m.draft > 0) {
-    std::vector<double> by_position;
-    for (size_t i = 0; i < m.drafted_by_position.size(); ++i)
-      by_position.push_back(m.drafted_by_position[i] > 0 ? static_cast<double>(m.accepted_by_position[i]) /
-                                                               static_cast<double>(m.drafted_by_position[i])
-                                                         : 0.0);
     usage["mtp"] = {{"draft", m.draft},
                     {"steps", m.steps},
                     {"drafted", m.drafted},
                     {"accepted", m.accepted},
                     {"acceptance", m.acceptance()},
-                    {"acceptance_by_position", by_position},
+                    {"acceptance_by_position", m.acceptance_by_position()},
                     {"mean_accepted_per_step", m.mean_accepted_per_step()}};
   }
   return usage;

@@ -113,11 +113,7 @@ std::vector<BenchResult> run_bench(const Model& model, const BenchProtocol& p,
       r.tokens_per_step = r.mtp.steps > 0
                               ? static_cast<double>(produced_first_run[ci]) / static_cast<double>(r.mtp.steps)
                               : 1.0;
-      for (size_t d = 0; d < r.mtp.drafted_by_position.size(); ++d)
-        r.acceptance_by_position.push_back(r.mtp.drafted_by_position[d] > 0
-                                               ? static_cast<double>(r.mtp.accepted_by_position[d]) /
-                                                     static_cast<double>(r.mtp.drafted_by_position[d])
-                                               : 0.0);
+      r.acceptance_by_position = r.mtp.acceptance_by_position();
     }
   }
   return results;
