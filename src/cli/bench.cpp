@@ -31,13 +31,14 @@ struct BenchFlags {
   double synthetic_acceptance = -1.0;
   bool json = false;
   int threads = 0;
+  std::string device = "cpu";
   uint64_t seed = 0;
 };
 
 int run_bench_command(const BenchFlags& f) {
   set_threads(f.threads);
   const auto dir = resolve_model_dir(f.model);
-  auto model = Model::load(dir);
+  auto model = load_model_on(dir, f.device);
   const auto tokenizer = load_tokenizer_if_present(dir);
   std::vector<int32_t> prompt;
   if (f.prompt.empty() && f.prompt_ids.empty())
@@ -46,7 +47,7 @@ int run_bench_command(const BenchFlags& f) {
     prompt = resolve_prompt(f.prompt, f.prompt_ids, tokenizer, dir, model->config().vocab_size);
 
   const GenerationConfig gen = load_generation_config(dir / "generation_config.json");
-  const std::optional<int64_t> tuned = tools::tuned_draft(dir);
+  const std::optional<int64_t> tuned = tools::tuned_draft(dir, tools::profile_device(*model));
   int64_t draft = f.draft.value_or(tuned && *tuned > 0 ? *tuned : 2);
   const bool mtp = model->mtp() != nullptr;
   if (f.draft && !mtp)
@@ -153,6 +154,8 @@ std::function<int()> add_bench_command(CLI::App& app) {
   app.add_flag("--json", f->json, "print the report as JSON");
   app.add_option("--seed", f->seed, "sampling seed");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
+  app.add_option("--device", f->device, "where the forward passes run: cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   return [f] { return run_bench_command(*f); };
 }
 

@@ -79,6 +79,12 @@ int64_t peak_rss_bytes() {
   return static_cast<int64_t>(usage.ru_maxrss) * 1024;
 }
 
+std::unique_ptr<Model> load_model_on(const std::filesystem::path& dir, const std::string& device) {
+  auto model = Model::load(dir);
+  model->use_device(device);
+  return model;
+}
+
 void set_threads(int threads) {
   if (threads > 0) omp_set_num_threads(threads);
 }

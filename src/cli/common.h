@@ -3,11 +3,13 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "io/model_config.h"
+#include "model/qwen35.h"
 #include "tokenizer/tokenizer.h"
 
 namespace mtpx::cli {
@@ -27,6 +29,9 @@ std::optional<Tokenizer> load_tokenizer_if_present(const std::filesystem::path& 
 std::vector<int32_t> resolve_prompt(const std::string& prompt_text, const std::string& prompt_ids,
                                     const std::optional<Tokenizer>& tokenizer,
                                     const std::filesystem::path& model_dir, int64_t vocab_size);
+
+// Loads a model directory and moves its forward passes to `device` ("cpu" or "cuda").
+std::unique_ptr<Model> load_model_on(const std::filesystem::path& dir, const std::string& device);
 
 // Peak resident set size of this process in bytes.
 int64_t peak_rss_bytes();

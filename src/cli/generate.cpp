@@ -28,6 +28,7 @@ struct GenerateFlags {
   std::optional<double> min_p;
   uint64_t seed = 0;
   int threads = 0;
+  std::string device = "cpu";
   int64_t samples = 1;
   bool json = false;
   bool mtp = false;
@@ -57,7 +58,7 @@ nlohmann::json result_json(const GenerateResult& r, const std::string& text) {
 int run_generate(const GenerateFlags& f) {
   set_threads(f.threads);
   const auto dir = resolve_model_dir(f.model);
-  auto model = Model::load(dir);
+  auto model = load_model_on(dir, f.device);
   auto tokenizer = load_tokenizer_if_present(dir);
 
   const std::vector<int32_t> prompt =
@@ -77,7 +78,7 @@ int run_generate(const GenerateFlags& f) {
     if (model->mtp() == nullptr)
       invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
     // K: the flag; else the tuned runtime profile of this model and machine (mtpx tune); else 1.
-    const std::optional<int64_t> tuned = tools::tuned_draft(dir);
+    const std::optional<int64_t> tuned = tools::tuned_draft(dir, tools::profile_device(*model));
     options.draft = f.draft.value_or(tuned && *tuned > 0 ? *tuned : 1);
   }
   options.stop_ids = gen.eos_token_ids;
@@ -156,6 +157,8 @@ std::function<int()> add_generate_command(CLI::App& app) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", f->seed, "random seed (sample i uses seed + i)");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
+  app.add_option("--device", f->device, "where the forward passes run: cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--samples", f->samples, "independent completions to draw")
       ->check(CLI::Range(int64_t{1}, int64_t{100000}));
   app.add_flag("--json", f->json, "print one JSON object (a list with --samples > 1)");

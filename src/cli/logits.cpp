@@ -18,6 +18,7 @@ struct LogitsFlags {
   std::string prompt_ids;
   std::string out;
   int threads = 0;
+  std::string device = "cpu";
   bool mtp = false;
 };
 
@@ -29,7 +30,7 @@ int run_logits(const LogitsFlags& f) {
   set_threads(f.threads);
   if (f.out.empty()) invalid_input("--out is required");
   const auto dir = resolve_model_dir(f.model);
-  auto model = Model::load(dir);
+  auto model = load_model_on(dir, f.device);
   const std::vector<int32_t> prompt =
       resolve_prompt(f.prompt, f.prompt_ids, load_tokenizer_if_present(dir), dir, model->config().vocab_size);
   InferenceState state = model->new_state(static_cast<int64_t>(prompt.size()));
@@ -50,7 +51,7 @@ int run_logits(const LogitsFlags& f) {
     if (model->mtp() == nullptr)
       invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
     if (n > 1) {
-      MtpState head_state(model->config(), n);
+      MtpState head_state = new_mtp_state(*model, n);
       mtp_forward(
           *model, head_state, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
           std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kAll, head);
@@ -71,6 +72,8 @@ std::function<int()> add_logits_command(CLI::App& app) {
   app.add_option("--out", f->out, "output .safetensors file");
   app.add_flag("--mtp", f->mtp, "also write mtp_logits [n-1, V]: the MTP head's teacher-forced predictions");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
+  app.add_option("--device", f->device, "where the forward passes run: cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   return [f] { return run_logits(*f); };
 }
 

@@ -22,12 +22,13 @@ struct TuneFlags {
   tools::TuneOptions options;
   bool json = false;
   int threads = 0;
+  std::string device = "cpu";
 };
 
 int run_tune(TuneFlags f) {
   set_threads(f.threads);
   const auto dir = resolve_model_dir(f.model);
-  auto model = Model::load(dir);
+  auto model = load_model_on(dir, f.device);
   if (model->mtp() == nullptr)
     invalid_input("tune: '{}' has no usable MTP head ({}); see mtpx inspect and mtpx graft", dir.string(),
                   model->mtp_status().detail);
@@ -41,7 +42,7 @@ int run_tune(TuneFlags f) {
   const nlohmann::json profile =
       tools::tune_draft_depth(*model, prompts, o, [&](double x) { bar.update(x); });
   bar.finish();
-  const auto path = tools::save_runtime_profile(dir, profile);
+  const auto path = tools::save_runtime_profile(dir, profile, tools::profile_device(*model));
   const auto svg = path.parent_path() / "mtpx_runtime.svg";
   {
     const auto tmp = svg.string() + ".tmp";
@@ -93,6 +94,8 @@ std::function<int()> add_tune_command(CLI::App& app) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_flag("--json", f->json, "print the profile as JSON");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
+  app.add_option("--device", f->device, "where the forward passes run: cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   return [f] { return run_tune(*f); };
 }
 

@@ -75,7 +75,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
 
   const int64_t capacity = n + options.max_tokens + K + 2;
   InferenceState state = model.new_state(capacity);
-  MtpState head_state(c, capacity);
+  MtpState head_state = new_mtp_state(model, capacity);
   Rng rng(options.seed);
   auto distribution = [&](const float* logits) {
     return truncate(std::span<const float>(logits, static_cast<size_t>(V)), options.sampler, vocab_limit);

@@ -222,6 +222,11 @@ MappedFile::~MappedFile() {
   if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
 }
 
+void MappedFile::release_pages() const {
+  // A read-only file mapping: dropped pages are read back from the file on the next access.
+  if (data_ != nullptr) ::madvise(const_cast<std::byte*>(data_), size_, MADV_DONTNEED);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // SafetensorsFile
 
@@ -458,6 +463,10 @@ const TensorView& TensorStore::get(std::string_view name) const {
   const TensorView* view = find(name);
   if (view == nullptr) invalid_input("missing tensor '{}' in '{}'", printable(name), printable_path(dir_));
   return *view;
+}
+
+void TensorStore::release_pages() const {
+  for (const auto& f : files_) f->release_pages();
 }
 
 std::vector<std::string> TensorStore::names() const {

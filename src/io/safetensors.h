@@ -44,6 +44,8 @@ class MappedFile {
   const std::byte* data() const { return data_; }
   size_t size() const { return size_; }
   const std::filesystem::path& path() const { return path_; }
+  // Drops the file's pages from this process's resident memory (the mapping stays valid).
+  void release_pages() const;
 
  private:
   std::filesystem::path path_;
@@ -63,6 +65,7 @@ class SafetensorsFile {
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   const TensorView* find(std::string_view name) const;
+  void release_pages() const { file_->release_pages(); }
 
  private:
   std::unique_ptr<MappedFile> file_;
@@ -84,6 +87,8 @@ class TensorStore {
   const TensorView& get(std::string_view name) const;   // throws kInvalidInput "missing tensor 'x' in DIR"
   std::vector<std::string> names() const;               // sorted
   const std::filesystem::path& directory() const { return dir_; }
+  // Drops every file's pages from resident memory (after the weights were copied to a device).
+  void release_pages() const;
 
  private:
   std::filesystem::path dir_;

@@ -1,5 +1,7 @@
 #include "model/mtp_head.h"
 
+#include <utility>
+
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
 #include "util/error.h"
@@ -10,6 +12,14 @@ MtpState::MtpState(const ModelConfig& c, int64_t capacity) : capacity_(capacity)
   const size_t n = static_cast<size_t>(capacity * c.num_kv_heads * c.head_dim);
   kv_.keys.assign(n, 0.0f);
   kv_.values.assign(n, 0.0f);
+}
+
+MtpState::MtpState(int64_t capacity, std::unique_ptr<DeviceSequence> device)
+    : capacity_(capacity), device_(std::move(device)) {}
+
+MtpState new_mtp_state(const Model& model, int64_t capacity) {
+  if (const DeviceExecutor* e = model.executor()) return MtpState(capacity, e->new_mtp_sequence(capacity));
+  return MtpState(model.config(), capacity);
 }
 
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
@@ -23,6 +33,11 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
     invalid_input("mtp_forward: {} hidden values for {} tokens", hidden.size(), T);
   if (p0 + T > state.capacity())
     invalid_input("MTP context overflow: {} positions, capacity {}", p0 + T, state.capacity());
+  if (const DeviceExecutor* e = model.executor()) {
+    if (state.device() == nullptr) invalid_input("mtp_forward: a host MTP state with a device model");
+    e->mtp_forward(*state.device(), hidden, tokens, p0, rows, result.hidden, result.logits);
+    return;
+  }
   const float eps = static_cast<float>(c.rms_norm_eps);
 
   // u = fc([norm_e(embed(x)) ; norm_h(h)])   (embedding first, hidden second: spec §6.1)

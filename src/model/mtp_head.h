@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -16,13 +17,19 @@ namespace mtpx {
 class MtpState {
  public:
   MtpState(const ModelConfig& config, int64_t capacity);
+  MtpState(int64_t capacity, std::unique_ptr<DeviceSequence> device);  // caches on a device
   KvCache& kv() { return kv_; }
   int64_t capacity() const { return capacity_; }
+  DeviceSequence* device() const { return device_.get(); }
 
  private:
   int64_t capacity_;
   KvCache kv_;
+  std::unique_ptr<DeviceSequence> device_;
 };
+
+// The head's state for `model`, on the device its forward passes run on.
+MtpState new_mtp_state(const Model& model, int64_t capacity);
 
 struct MtpResult {
   std::vector<float> hidden;  // [T, H]  post-mtp.norm (fed back as the hidden of a chained draft step)

@@ -48,6 +48,18 @@ std::unique_ptr<Model> Model::synthetic(const ModelConfig& config, uint64_t seed
   return m;
 }
 
+void Model::use_device(const std::string& device) {
+  if (device == "cpu") {
+    executor_.reset();
+    return;
+  }
+  if (device != "cuda") invalid_input("--device must be cpu or cuda, got '{}'", device);
+  executor_ = make_cuda_executor(*this);
+  // The weights now live on the GPU: let the kernel drop the mapped files' pages from this process's
+  // memory (they are read back from the files if the CPU path ever touches them again).
+  if (store_) store_->release_pages();
+}
+
 void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows,
                     ForwardResult& result, bool record_window) const {
   const ModelConfig& c = config_;
@@ -61,6 +73,14 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
     if (id < 0 || id >= c.vocab_size)
       invalid_input("token id {} is outside the model's vocabulary [0, {})", id, c.vocab_size);
 
+  if ((executor_ != nullptr) != (state.device() != nullptr))
+    invalid_input("forward: the state was made for another device than the model's");
+  if (executor_) {
+    executor_->forward(*state.device(), p0, tokens, rows, result.hidden, result.logits, record_window);
+    if (record_window) state.set_window(p0, T);
+    state.advance(T);
+    return;
+  }
   // x: the residual stream [T, H].
   std::vector<float> x(static_cast<size_t>(T * H));
   for (int64_t t = 0; t < T; ++t)
@@ -77,9 +97,12 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
 void Model::rollback(InferenceState& state, int64_t keep) const {
   if (keep < 0 || keep > state.window_tokens())
     invalid_input("rollback to {} tokens of a {}-token window", keep, state.window_tokens());
-  for (int64_t li = 0; li < config_.num_layers; ++li)
-    if (config_.layer_types[static_cast<size_t>(li)] == LayerType::kLinearAttention)
-      deltanet_rollback(config_, state.delta(li), keep);
+  if (executor_)
+    executor_->rollback(*state.device(), state.window_tokens(), keep);
+  else
+    for (int64_t li = 0; li < config_.num_layers; ++li)
+      if (config_.layer_types[static_cast<size_t>(li)] == LayerType::kLinearAttention)
+        deltanet_rollback(config_, state.delta(li), keep);
   state.set_position(state.window_start() + keep);
   state.set_window(state.window_start(), keep);
 }

@@ -8,10 +8,12 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "io/model_config.h"
 #include "model/decoder_layer.h"
+#include "model/device.h"
 #include "model/state.h"
 #include "model/weights.h"
 
@@ -40,7 +42,17 @@ class Model {
   const MtpStatus& mtp_status() const { return mtp_status_; }
   const std::filesystem::path& directory() const { return dir_; }
 
-  InferenceState new_state(int64_t capacity) const { return InferenceState(config_, capacity); }
+  // Moves the forward passes to `device`: "cpu" (the default; nothing to do) or "cuda" (weights are
+  // uploaded now and the host's copies of the mapped files are dropped from memory). Throws mtpx::Error
+  // (kUnsupported) naming why a device cannot be used.
+  void use_device(const std::string& device);
+  // The executor forward passes run on (nullptr: the CPU).
+  const DeviceExecutor* executor() const { return executor_.get(); }
+
+  InferenceState new_state(int64_t capacity) const {
+    return executor_ ? InferenceState(capacity, executor_->new_sequence(capacity))
+                     : InferenceState(config_, capacity);
+  }
 
   // Runs `tokens` at positions state.position() .. +T-1, advancing the state. With `record_window`
   // (T < kGemmMinRows), the pass can afterwards be cut back to any prefix with rollback().
@@ -60,6 +72,7 @@ class Model {
   std::unique_ptr<SyntheticStorage> synthetic_;  // or buffers owned by a synthetic model
   std::optional<MtpWeights> mtp_;
   MtpStatus mtp_status_;
+  std::unique_ptr<DeviceExecutor> executor_;
 };
 
 }  // namespace mtpx

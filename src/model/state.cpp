@@ -1,6 +1,7 @@
 #include "model/state.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "util/error.h"
 
@@ -25,13 +26,9 @@ InferenceState::InferenceState(const ModelConfig& c, int64_t capacity) : capacit
   }
 }
 
-void InferenceState::reset() {
-  position_ = 0;
-  window_start_ = window_tokens_ = 0;
-  for (DeltaNetState& d : delta_) {
-    std::fill(d.conv.begin(), d.conv.end(), 0.0f);
-    std::fill(d.ssm.begin(), d.ssm.end(), 0.0f);
-  }
+InferenceState::InferenceState(int64_t capacity, std::unique_ptr<DeviceSequence> device)
+    : capacity_(capacity), device_(std::move(device)) {
+  if (capacity <= 0) invalid_input("context capacity must be positive, got {}", capacity);
 }
 
 }  // namespace mtpx

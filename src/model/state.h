@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "io/model_config.h"
@@ -37,17 +38,24 @@ struct DeltaNetState {
   DeltaNetWindow window;    // filled by a forward pass run with record_window
 };
 
+// A sequence's state held by a device executor (model/device.h); opaque here.
+class DeviceSequence {
+ public:
+  virtual ~DeviceSequence() = default;
+};
+
 class InferenceState {
  public:
   // `capacity`: the most positions this sequence will hold (prompt + generated + draft window).
   InferenceState(const ModelConfig& config, int64_t capacity);
+  // A state whose caches live on a device (no host caches are allocated).
+  InferenceState(int64_t capacity, std::unique_ptr<DeviceSequence> device);
 
   int64_t position() const { return position_; }  // tokens already processed
   // The last forward pass recorded for rollback: its first position and length (0 if none).
   int64_t window_start() const { return window_start_; }
   int64_t window_tokens() const { return window_tokens_; }
   int64_t capacity() const { return capacity_; }
-  void reset();
 
   // Internal to the model forward.
   KvCache& kv(int64_t layer) { return kv_[static_cast<size_t>(layer)]; }
@@ -55,6 +63,7 @@ class InferenceState {
   void advance(int64_t n) { position_ += n; }
   void set_window(int64_t start, int64_t tokens) { window_start_ = start, window_tokens_ = tokens; }
   void set_position(int64_t position) { position_ = position; }
+  DeviceSequence* device() const { return device_.get(); }
 
  private:
   int64_t capacity_;
@@ -63,6 +72,7 @@ class InferenceState {
   int64_t window_tokens_ = 0;
   std::vector<KvCache> kv_;           // indexed by layer (empty for linear-attention layers)
   std::vector<DeltaNetState> delta_;  // indexed by layer (empty for full-attention layers)
+  std::unique_ptr<DeviceSequence> device_;
 };
 
 }  // namespace mtpx

@@ -361,6 +361,7 @@ Server::Server(ServerOptions options) : state_(std::make_unique<State>()) {
   if (o.max_queue < 0) invalid_input("--queue must be >= 0, got {}", o.max_queue);
 
   s.model = Model::load(o.model_dir);
+  s.model->use_device(o.device);
   if (!std::filesystem::exists(o.model_dir / "tokenizer.json"))
     invalid_input("'{}' has no tokenizer.json: the server needs one", o.model_dir.string());
   s.tokenizer = Tokenizer::from_file(o.model_dir / "tokenizer.json");
@@ -393,7 +394,7 @@ Server::Server(ServerOptions options) : state_(std::make_unique<State>()) {
     // on this machine, so MTP starts off); else generate's default.
     std::optional<int64_t> tuned;
     try {
-      tuned = tools::tuned_draft(o.model_dir);
+      tuned = tools::tuned_draft(o.model_dir, tools::profile_device(*s.model));
     } catch (const std::exception&) {
     }
     d.draft = tuned && *tuned > 0 ? *tuned : 1;

@@ -13,14 +13,15 @@ namespace mtpx::server {
 struct ServerOptions {
   std::filesystem::path model_dir;
   std::string host = "127.0.0.1";
-  int port = 8080;      // 0: any free port (see Server::port())
-  std::string api_key;  // non-empty: /v1/* and /metrics need "Authorization: Bearer <key>"
-  int parallel = 4;     // generation slots
-  int max_queue = 64;   // requests waiting for a slot before 503
-  int threads = 0;      // worker threads of the forward passes (0: all cores)
-  int64_t draft = 0;    // MTP draft depth K; 0: the tuned profile's, else generate's default (1)
-  bool mtp = true;      // MTP on by default (when the model has a head)
-  int64_t context = 0;  // positions per request; 0: min(model's maximum, 8192)
+  int port = 8080;             // 0: any free port (see Server::port())
+  std::string api_key;         // non-empty: /v1/* and /metrics need "Authorization: Bearer <key>"
+  int parallel = 4;            // generation slots
+  int max_queue = 64;          // requests waiting for a slot before 503
+  int threads = 0;             // worker threads of the forward passes (0: all cores)
+  std::string device = "cpu";  // where the forward passes run: cpu or cuda
+  int64_t draft = 0;           // MTP draft depth K; 0: the tuned profile's, else generate's default (1)
+  bool mtp = true;             // MTP on by default (when the model has a head)
+  int64_t context = 0;         // positions per request; 0: min(model's maximum, 8192)
   size_t max_body_bytes = size_t{8} << 20;
   bool log_requests = true;  // one line per request on stderr
 };

@@ -65,6 +65,8 @@ std::function<int()> add_serve_command(CLI::App& app) {
       ->check(CLI::Range(0, 100000));
   app.add_option("--threads", o.threads, "worker threads of the forward passes (default: all cores)")
       ->check(CLI::Range(1, 1024));
+  app.add_option("--device", o.device, "where the forward passes run: cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--draft", o.draft, "MTP draft depth K (default: the tuned runtime profile's, else 1)")
       ->check(CLI::Range(int64_t{1}, int64_t{8}));
   app.add_flag("--mtp,!--no-mtp", o.mtp, "MTP speculative decoding by default (on; requests may override)");

@@ -105,7 +105,7 @@ double teacher_forced_acceptance(const Model& model, const std::vector<int32_t>&
   InferenceState state = model.new_state(n);
   ForwardResult trunk;
   model.forward(state, tokens, LogitRows::kAll, trunk);
-  MtpState head_state(model.config(), n);
+  MtpState head_state = new_mtp_state(model, n);
   MtpResult head;
   mtp_forward(
       model, head_state, std::span<const float>(trunk.hidden.data(), static_cast<size_t>((n - 1) * H)),

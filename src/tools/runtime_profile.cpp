@@ -10,6 +10,7 @@
 
 #include "backend/cpu/matmul.h"
 #include "io/model_config.h"
+#include "model/qwen35.h"
 #include "tools/checkpoint.h"
 #include "util/error.h"
 
@@ -33,16 +34,22 @@ bool writable_directory(const std::filesystem::path& dir) { return ::access(dir.
 
 }  // namespace
 
-json hardware_fingerprint() {
-  return {{"device", "cpu"},
+std::string profile_device(const Model& model) {
+  return model.executor() ? model.executor()->description() : "cpu";
+}
+
+json hardware_fingerprint(const std::string& device) {
+  return {{"device", device},
           {"cpu", cpu_model_name()},
           {"logical_cores", static_cast<int64_t>(::sysconf(_SC_NPROCESSORS_ONLN))},
           {"simd", cpu::simd_path()},
           {"threads", omp_get_max_threads()}};
 }
 
-std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir, bool for_writing) {
-  const auto in_model = model_dir / kRuntimeProfileName;
+std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir, bool for_writing,
+                                           const std::string& device) {
+  const std::string name = device == "cpu" ? kRuntimeProfileName : "mtpx_runtime.cuda.json";
+  const auto in_model = model_dir / name;
   if (for_writing ? writable_directory(model_dir) : std::filesystem::exists(in_model)) return in_model;
   std::filesystem::path cache;
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0')
@@ -55,12 +62,12 @@ std::filesystem::path runtime_profile_path(const std::filesystem::path& model_di
   auto canonical = std::filesystem::weakly_canonical(model_dir, ec);
   if (ec) canonical = std::filesystem::absolute(model_dir);
   const size_t hash = std::hash<std::string>{}(canonical.string());
-  return cache / "mtpx" / fmt::format("{}-{:016x}", canonical.filename().string(), hash) /
-         kRuntimeProfileName;
+  return cache / "mtpx" / fmt::format("{}-{:016x}", canonical.filename().string(), hash) / name;
 }
 
-std::filesystem::path save_runtime_profile(const std::filesystem::path& model_dir, json profile) {
-  const auto path = runtime_profile_path(model_dir, /*for_writing=*/true);
+std::filesystem::path save_runtime_profile(const std::filesystem::path& model_dir, json profile,
+                                           const std::string& device) {
+  const auto path = runtime_profile_path(model_dir, /*for_writing=*/true, device);
   std::error_code ec;
   std::filesystem::create_directories(path.parent_path(), ec);
   if (ec) invalid_input("cannot create '{}': {}", path.parent_path().string(), ec.message());
@@ -68,14 +75,14 @@ std::filesystem::path save_runtime_profile(const std::filesystem::path& model_di
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   profile["mtpx_version"] = MTPX_VERSION;
-  profile["hardware"] = hardware_fingerprint();
+  profile["hardware"] = hardware_fingerprint(device);
   profile["date"] = date;
   write_json_file(path, profile);
   return path;
 }
 
-json describe_runtime_profile(const std::filesystem::path& model_dir) {
-  const auto path = runtime_profile_path(model_dir, /*for_writing=*/false);
+json describe_runtime_profile(const std::filesystem::path& model_dir, const std::string& device) {
+  const auto path = runtime_profile_path(model_dir, /*for_writing=*/false, device);
   json out = {{"present", false}, {"path", path.string()}, {"summary", "none (run mtpx tune)"}};
   if (!std::filesystem::exists(path)) return out;
   out["present"] = true;
@@ -101,7 +108,7 @@ json describe_runtime_profile(const std::filesystem::path& model_dir) {
   std::string stale;
   if (p.value("mtpx_version", "") != MTPX_VERSION)
     stale = fmt::format("made by mtpx {}, this is {}", p.value("mtpx_version", "?"), MTPX_VERSION);
-  else if (!p.contains("hardware") || p["hardware"] != hardware_fingerprint())
+  else if (!p.contains("hardware") || p["hardware"] != hardware_fingerprint(device))
     stale = "made on other hardware or with another thread count";
   if (!stale.empty()) {
     out["status"] = "stale";
@@ -116,8 +123,8 @@ json describe_runtime_profile(const std::filesystem::path& model_dir) {
   return out;
 }
 
-std::optional<int64_t> tuned_draft(const std::filesystem::path& model_dir) {
-  const json d = describe_runtime_profile(model_dir);
+std::optional<int64_t> tuned_draft(const std::filesystem::path& model_dir, const std::string& device) {
+  const json d = describe_runtime_profile(model_dir, device);
   if (d.value("status", "") != "valid") return std::nullopt;
   return d["draft"].get<int64_t>();
 }

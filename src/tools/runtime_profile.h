@@ -9,24 +9,36 @@
 #include <optional>
 #include <string>
 
+namespace mtpx {
+class Model;
+}
+
 namespace mtpx::tools {
 
 inline constexpr const char* kRuntimeProfileName = "mtpx_runtime.json";
 
-// What identifies "this machine" for a profile: CPU model, logical cores, SIMD path, worker threads.
-nlohmann::json hardware_fingerprint();
+// Profiles are per device: `device` is "cpu" or the GPU's description (DeviceExecutor::description()),
+// and the CPU and CUDA profiles live in separate files (mtpx_runtime.json, mtpx_runtime.cuda.json).
+std::string profile_device(const Model& model);
+
+// What identifies "this machine" for a profile: CPU model, logical cores, SIMD path, worker threads,
+// and the GPU when the device is one.
+nlohmann::json hardware_fingerprint(const std::string& device = "cpu");
 
 // Where the profile of `model_dir` lives: the model directory itself when it is writable, else
 // $XDG_CACHE_HOME/mtpx/<name>-<hash of the canonical path>/ (default ~/.cache).
-std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir, bool for_writing);
+std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir, bool for_writing,
+                                           const std::string& device = "cpu");
 
 // Writes `profile` (adding version, hardware and date) atomically; returns the path written.
-std::filesystem::path save_runtime_profile(const std::filesystem::path& model_dir, nlohmann::json profile);
+std::filesystem::path save_runtime_profile(const std::filesystem::path& model_dir, nlohmann::json profile,
+                                           const std::string& device = "cpu");
 
 // {"present", "path", "status": "valid"|"stale"|"invalid", "reason", "draft", "summary"}.
-nlohmann::json describe_runtime_profile(const std::filesystem::path& model_dir);
+nlohmann::json describe_runtime_profile(const std::filesystem::path& model_dir,
+                                        const std::string& device = "cpu");
 
 // The tuned draft depth (0 = plain decoding was fastest) when a valid profile exists.
-std::optional<int64_t> tuned_draft(const std::filesystem::path& model_dir);
+std::optional<int64_t> tuned_draft(const std::filesystem::path& model_dir, const std::string& device = "cpu");
 
 }  // namespace mtpx::tools

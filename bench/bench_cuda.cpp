@@ -1,0 +1,187 @@
+// GPU benchmark (issue 7's targets): on a randomly initialized model of a real Qwen3.5 shape, next to
+// the card's measured device-to-device copy bandwidth and bf16 GEMM rate:
+//   decode tok/s and its fraction of the bandwidth roofline (weight bytes read per token / bandwidth),
+//   the verify-cost curve c(K) = time(verify K+1 rows) / time(decode 1 row),
+//   prefill of a long prompt against the GEMM rate,
+//   MTP at a synthetic acceptance (drafts replaced by the greedy continuation with probability A).
+//
+//   bench_cuda [--shape 0.8B|9B|...] [--decode-tokens N] [--prefill-tokens N] [--acceptance A] [--json]
+#include <fmt/core.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "model/device.h"
+#include "model/qwen35.h"
+#include "model/shapes.h"
+#include "tools/bench.h"
+#include "util/error.h"
+#ifdef MTPX_HAVE_CUDA
+#include "backend/cuda/runtime.h"
+#endif
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Bytes of weights one decode step reads: every trunk matrix once, the embedding table only by one row
+// (unless tied, when it is the lm_head).
+int64_t bytes_per_token(const mtpx::Model& m) {
+  const auto& w = m.weights();
+  const int64_t embed = w.embed_tokens.rows * w.embed_tokens.cols * 2;
+  return w.tied ? w.matrix_bytes : w.matrix_bytes - embed;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("mtpx GPU benchmark");
+  std::string shape = "0.8B";
+  int64_t decode_tokens = 128, prefill_tokens = 2048, mtp_tokens = 256;
+  double acceptance = 0.8;
+  bool json = false;
+  int64_t profile_steps = 0;
+  app.add_option("--shape", shape, "model shape (spec §9)");
+  app.add_option("--profile-steps", profile_steps,
+                 "only run a 32-token prompt and this many decode steps (for a profiler), then exit");
+  app.add_option("--decode-tokens", decode_tokens);
+  app.add_option("--prefill-tokens", prefill_tokens);
+  app.add_option("--mtp-tokens", mtp_tokens, "tokens per MTP run (0: skip)");
+  app.add_option("--acceptance", acceptance, "synthetic acceptance of the MTP runs");
+  app.add_flag("--json", json);
+  CLI11_PARSE(app, argc, argv);
+#ifndef MTPX_HAVE_CUDA
+  fmt::print("bench_cuda: built without CUDA\n");
+  return 77;
+#else
+  try {
+    using namespace mtpx;
+    if (profile_steps > 0) {
+      auto m = Model::synthetic(shape_config(shape), 1, /*with_mtp=*/false);
+      m->use_device("cuda");
+      InferenceState st = m->new_state(64 + profile_steps);
+      ForwardResult out;
+      std::vector<int32_t> prompt(32, 1);  // decode steps only: every pass is one row
+      for (int64_t i = 0; i < profile_steps; ++i)
+        m->forward(st, std::span(prompt.data(), 1), LogitRows::kLast, out);
+      return 0;
+    }
+    nlohmann::json report;
+    report["shape"] = shape;
+    const double copy_bw = cuda::copy_bandwidth(size_t{1} << 30, 20);
+    const double gemm = cuda::bf16_gemm_rate(8192, 20);
+    report["copy_bandwidth_GBs"] = copy_bw / 1e9;
+    report["bf16_gemm_TFLOPs"] = gemm / 1e12;
+
+    auto t_build = Clock::now();
+    auto model = Model::synthetic(shape_config(shape), 1, /*with_mtp=*/true);
+    const double build_s = seconds_since(t_build);
+    t_build = Clock::now();
+    model->use_device("cuda");
+    report["upload_s"] = seconds_since(t_build);
+    report["synthesize_s"] = build_s;
+    report["device"] = model->executor()->description();
+    report["device_weight_bytes"] = model->executor()->weight_bytes();
+    const int64_t V = model->config().vocab_size;
+    auto ids = [&](int64_t n, int64_t salt) {
+      std::vector<int32_t> v;
+      for (int64_t i = 0; i < n; ++i) v.push_back(static_cast<int32_t>((i * 7919 + salt * 104729 + 11) % V));
+      return v;
+    };
+
+    // Decode: T = 1 steps after a 32-token prompt.
+    const int64_t capacity = 64 + decode_tokens + prefill_tokens;
+    InferenceState state = model->new_state(capacity);
+    ForwardResult r;
+    model->forward(state, ids(32, 1), LogitRows::kLast, r);
+    const auto step_tokens = ids(decode_tokens, 2);
+    for (int i = 0; i < 4; ++i)
+      model->forward(state, std::span(&step_tokens[static_cast<size_t>(i)], 1), LogitRows::kLast, r);
+    auto t0 = Clock::now();
+    for (int64_t i = 0; i < decode_tokens; ++i)
+      model->forward(state, std::span(&step_tokens[static_cast<size_t>(i)], 1), LogitRows::kLast, r);
+    const double decode_s = seconds_since(t0) / static_cast<double>(decode_tokens);
+    const double roofline = copy_bw / static_cast<double>(bytes_per_token(*model));
+    report["decode_tok_s"] = 1.0 / decode_s;
+    report["roofline_tok_s"] = roofline;
+    report["decode_fraction_of_roofline"] = (1.0 / decode_s) / roofline;
+
+    // c(K): a recorded verify window of K+1 rows (all logits) and its rollback, against a decode step.
+    std::vector<double> c_of_k;
+    for (int64_t k = 0; k <= 8; ++k) {
+      const auto window = ids(k + 1, 3 + k);
+      std::vector<double> times;
+      for (int rep = 0; rep < 25; ++rep) {
+        auto t = Clock::now();
+        model->forward(state, window, k == 0 ? LogitRows::kLast : LogitRows::kAll, r, /*record_window=*/true);
+        model->rollback(state, 0);
+        times.push_back(seconds_since(t));
+      }
+      c_of_k.push_back(median(times));
+    }
+    nlohmann::json ck = nlohmann::json::object();
+    for (int64_t k = 1; k <= 8; ++k) ck[std::to_string(k)] = c_of_k[static_cast<size_t>(k)] / c_of_k[0];
+    report["verify_cost_c"] = ck;
+    report["decode_step_with_record_ms"] = c_of_k[0] * 1e3;
+
+    // Prefill.
+    if (prefill_tokens > 0) {
+      const auto prompt = ids(prefill_tokens, 4);
+      std::vector<double> times;
+      for (int rep = 0; rep < 3; ++rep) {
+        InferenceState s = model->new_state(prefill_tokens + 8);
+        auto t = Clock::now();
+        model->forward(s, prompt, LogitRows::kLast, r);
+        times.push_back(seconds_since(t));
+      }
+      const double secs = median(times);
+      const double flops =
+          2.0 * static_cast<double>(bytes_per_token(*model) / 2) * static_cast<double>(prefill_tokens);
+      report["prefill_tokens"] = prefill_tokens;
+      report["prefill_tok_s"] = static_cast<double>(prefill_tokens) / secs;
+      report["prefill_matmul_TFLOPs"] = flops / secs / 1e12;
+      report["prefill_fraction_of_gemm"] = flops / secs / gemm;
+    }
+
+    // MTP at a synthetic acceptance, greedy, side by side with plain decoding in the same run.
+    if (mtp_tokens > 0) {
+      tools::BenchProtocol p;
+      p.prompts = {ids(32, 5)};
+      p.max_tokens = mtp_tokens;
+      p.runs = 3;
+      p.synthetic_acceptance = acceptance;
+      std::vector<tools::BenchCase> cases = {{"greedy", SamplerParams{.temperature = 0.0}, 0}};
+      for (int64_t k = 1; k <= 6; ++k) cases.push_back({"greedy", SamplerParams{.temperature = 0.0}, k});
+      const auto results = tools::run_bench(*model, p, cases);
+      nlohmann::json rows = nlohmann::json::array();
+      for (const auto& res : results)
+        rows.push_back({{"draft", res.spec.draft},
+                        {"tok_s", res.median_tok_s},
+                        {"speedup", res.median_tok_s / results[0].median_tok_s},
+                        {"acceptance", res.mtp.acceptance()},
+                        {"tokens_per_step", res.tokens_per_step}});
+      report["mtp_synthetic"] = {{"acceptance", acceptance}, {"rows", rows}};
+    }
+
+    if (json) {
+      fmt::print("{}\n", report.dump(2));
+      return 0;
+    }
+    fmt::print("{}\n", report.dump(2));
+    return 0;
+  } catch (const mtpx::Error& e) {
+    fmt::print(stderr, "bench_cuda: {}\n", e.what());
+    return e.kind() == mtpx::ErrorKind::kUnsupported ? 77 : 1;
+  }
+#endif
+}

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU test suite and the GPU benchmarks in one go (for the GPU machine), ending with a short table.
+#
+#   scripts/gpu_check.sh [BIN_DIR] [--quick]
+#
+# BIN_DIR holds mtpx_tests and bench_cuda (a build directory, or a folder of binaries carried from the
+# build machine with their shared libraries in BIN_DIR/lib). --quick skips the 9B benchmark.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-build}
+quick=${2:-}
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+
+status=0
+"$bin/mtpx_tests" --gtest_filter='Cuda*:*CudaFixture*' --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" || status=1
+passed=$(grep -c '^\[       OK \]' "$out/gpu_tests.log" || true)
+failed=$(grep -c '^\[  FAILED  \]' "$out/gpu_tests.log" || true)
+passed=$(grep -oP '\[  PASSED  \] \K[0-9]+' "$out/gpu_tests.log" || echo 0)
+
+shapes="0.8B 9B"
+[ "$quick" = "--quick" ] && shapes="0.8B"
+for s in $shapes; do
+  "$bin/bench_cuda" --shape "$s" --json > "$out/bench_$s.json" 2> "$out/bench_$s.err" || { status=1; cat "$out/bench_$s.err"; }
+done
+
+python3 - "$out" "$passed" "$failed" $shapes <<'PY'
+import json, sys, os
+out, passed, failed, shapes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+print(f"\nGPU tests: {passed} passed, {failed} failed")
+print("| shape | copy GB/s | decode tok/s | roofline tok/s | fraction | c(1) | c(3) | c(7) | prefill tok/s | prefill / GEMM | MTP best (K) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for s in shapes:
+    p = os.path.join(out, f"bench_{s}.json")
+    try:
+        r = json.load(open(p))
+    except Exception as e:
+        print(f"| {s} | failed: {e} |"); continue
+    c = r["verify_cost_c"]
+    best = max(r.get("mtp_synthetic", {}).get("rows", [{"speedup": 0, "draft": 0}]), key=lambda x: x["speedup"])
+    print(f"| {s} | {r['copy_bandwidth_GBs']:.0f} | {r['decode_tok_s']:.1f} | {r['roofline_tok_s']:.1f} | "
+          f"{r['decode_fraction_of_roofline']:.2f} | {c['1']:.3f} | {c['3']:.3f} | {c['7']:.3f} | "
+          f"{r.get('prefill_tok_s', 0):.0f} | {r.get('prefill_fraction_of_gemm', 0):.2f} | "
+          f"{best['speedup']:.2f}x (K={best['draft']}) |")
+PY
+exit $status

@@ -1,0 +1,777 @@
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/runtime.h"
+#include "util/error.h"
+
+namespace mtpx::cuda {
+namespace {
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  // Butterfly in a fixed order: every lane ends with the same, reproducible total.
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Sum over the block in a fixed order (per warp, then the warps in index order). Every thread gets it.
+__device__ float block_sum(float v, float* scratch /* [32] shared */) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < warps; ++w) total += scratch[w];
+  return total;
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// Eight consecutive weights (16- or 32-byte aligned) widened to float32.
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float out[8]) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(words[i] << 16);  // bf16 is the high half of a float32
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void load8(const __half* p, float out[8]) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(h[i]);
+    out[2 * i] = f.x, out[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float out[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p)),
+               b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z,
+  out[7] = b.w;
+}
+
+// ---- matmul rows: a warp computes R output features (weight rows) for all M activation rows; lane l
+// reduces k = 8l.. in strides of 256, then a fixed butterfly. Row m's arithmetic (its own accumulator,
+// the same k order) does not depend on M or on which features share the warp: batch-invariant.
+// Several matrices with the same input can run in one launch (q/k/v; the DeltaNet projections), and
+// the epilogue can add into y (residual) or combine gate and up (SwiGLU).
+constexpr int kGemvWarps = 8;
+constexpr int kGemvRows = 4;  // weight rows per warp: each x load serves 4 rows (2 for small matrices)
+constexpr int kMaxGroup = 4;
+
+enum Mode { kStore = 0, kAccumulate = 1, kSwiglu = 2 };
+
+template <typename W>
+struct GemvGroup {
+  const W* w[kMaxGroup];
+  float* y[kMaxGroup];
+  int rows[kMaxGroup];
+  int warps_before[kMaxGroup + 1];  // prefix sums of each matrix's warp count
+  int count;
+  int cols;
+};
+
+template <typename W, int M, int MODE, int R>  // R weight rows per warp (swiglu: R/2 gate + R/2 up rows)
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_rows(const GemvGroup<W> g, const float* __restrict__ x) {
+  const int warp = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= g.warps_before[g.count]) return;
+  int j = 0;
+  while (warp >= g.warps_before[j + 1]) ++j;
+  const int per_matrix = MODE == kSwiglu ? R / 2 : R;
+  const int row0 = (warp - g.warps_before[j]) * per_matrix;
+  const int cols = g.cols;
+  const W* wr[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int mi = MODE == kSwiglu ? (i < R / 2 ? 0 : 1) : j;
+    const int r = row0 + (MODE == kSwiglu ? i % (R / 2) : i);
+    wr[i] =
+        g.w[mi] + static_cast<size_t>(min(r, g.rows[j] - 1)) * cols;  // past the end: computed, not stored
+  }
+  float acc[R][M];
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[i][m] = 0.0f;
+#pragma unroll(8 / R)  // 8 loads of 16 bytes in flight per lane
+  for (int k = lane * 8; k < cols; k += 256) {
+    float wf[R][8];
+#pragma unroll
+    for (int i = 0; i < R; ++i) load8(wr[i] + k, wf[i]);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 a = *reinterpret_cast<const float4*>(x + static_cast<size_t>(m) * cols + k);
+      const float4 b = *reinterpret_cast<const float4*>(x + static_cast<size_t>(m) * cols + k + 4);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        float s = acc[i][m];
+        s = fmaf(wf[i][0], a.x, s), s = fmaf(wf[i][1], a.y, s), s = fmaf(wf[i][2], a.z, s);
+        s = fmaf(wf[i][3], a.w, s), s = fmaf(wf[i][4], b.x, s), s = fmaf(wf[i][5], b.y, s);
+        s = fmaf(wf[i][6], b.z, s), s = fmaf(wf[i][7], b.w, s);
+        acc[i][m] = s;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[i][m] = warp_sum(acc[i][m]);
+  if (lane != 0) return;
+  const int rows = g.rows[j];
+  float* y = g.y[j];
+#pragma unroll
+  for (int i = 0; i < per_matrix; ++i) {
+    const int r = row0 + i;
+    if (r >= rows) break;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float* out = y + static_cast<size_t>(m) * rows + r;
+      if constexpr (MODE == kSwiglu)
+        *out = silu(acc[i][m]) * acc[i + R / 2][m];
+      else if constexpr (MODE == kAccumulate)
+        *out += acc[i][m];
+      else
+        *out = acc[i][m];
+    }
+  }
+}
+
+// Any shape (cols not a multiple of 8, unaligned data): one weight row per warp, lane l reduces
+// k = l, l + 32, ...  (same mapping for every M: batch-invariant too).
+template <typename W, int MODE>
+__global__ void gemv_rows_scalar(const GemvGroup<W> g, const float* __restrict__ x, int m_count) {
+  const int warp = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= g.warps_before[g.count]) return;
+  int j = 0;
+  while (warp >= g.warps_before[j + 1]) ++j;
+  const int r = warp - g.warps_before[j];
+  const int cols = g.cols, rows = g.rows[j];
+  for (int m = 0; m < m_count; ++m) {
+    const float* xm = x + static_cast<size_t>(m) * cols;
+    float s0 = 0.0f, s1 = 0.0f;
+    const W* w0 = g.w[MODE == kSwiglu ? 0 : j] + static_cast<size_t>(r) * cols;
+    for (int k = lane; k < cols; k += 32) s0 = fmaf(to_float(w0[k]), xm[k], s0);
+    s0 = warp_sum(s0);
+    if constexpr (MODE == kSwiglu) {
+      const W* w1 = g.w[1] + static_cast<size_t>(r) * cols;
+      for (int k = lane; k < cols; k += 32) s1 = fmaf(to_float(w1[k]), xm[k], s1);
+      s1 = warp_sum(s1);
+    }
+    if (lane != 0) continue;
+    float* out = g.y[j] + static_cast<size_t>(m) * rows + r;
+    if constexpr (MODE == kSwiglu)
+      *out = silu(s0) * s1;
+    else if constexpr (MODE == kAccumulate)
+      *out += s0;
+    else
+      *out = s0;
+  }
+}
+
+template <typename W, int MODE>
+void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
+  bool aligned = g.cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  for (int i = 0; i < (MODE == kSwiglu ? 2 : g.count); ++i)
+    aligned &= reinterpret_cast<uintptr_t>(g.w[i]) % 16 == 0;
+  int total_rows = 0;
+  for (int i = 0; i < g.count; ++i) total_rows += g.rows[i];
+  // Enough warps to keep every SM streaming: 2 rows per warp below 8192 rows (which rows share a warp
+  // changes no row's arithmetic, so this choice keeps batch invariance).
+  const bool narrow = MODE != kSwiglu && total_rows < 8192 && std::is_same_v<W, __nv_bfloat16>;
+  const int rows_per_warp = narrow ? 2 : kGemvRows;
+  const int per_warp = !aligned ? 1 : MODE == kSwiglu ? rows_per_warp / 2 : rows_per_warp;
+  g.warps_before[0] = 0;
+  for (int i = 0; i < g.count; ++i)
+    g.warps_before[i + 1] = g.warps_before[i] + (g.rows[i] + per_warp - 1) / per_warp;
+  const unsigned blocks = blocks_for(g.warps_before[g.count], kGemvWarps);
+  if (!aligned) {
+    gemv_rows_scalar<W, MODE><<<blocks, kGemvWarps * 32, 0, s>>>(g, x, static_cast<int>(m));
+    return;
+  }
+  switch (m) {
+#define MTPX_GEMV_CASE(M)                                                                   \
+  case M:                                                                                   \
+    if constexpr (MODE != kSwiglu && std::is_same_v<W, __nv_bfloat16>)                      \
+      if (narrow) return gemv_rows<W, M, MODE, 2><<<blocks, kGemvWarps * 32, 0, s>>>(g, x); \
+    return gemv_rows<W, M, MODE, kGemvRows><<<blocks, kGemvWarps * 32, 0, s>>>(g, x);
+    MTPX_GEMV_CASE(1)
+    MTPX_GEMV_CASE(2)
+    MTPX_GEMV_CASE(3)
+    MTPX_GEMV_CASE(4)
+    MTPX_GEMV_CASE(5)
+    MTPX_GEMV_CASE(6)
+    MTPX_GEMV_CASE(7)
+    MTPX_GEMV_CASE(8)
+    MTPX_GEMV_CASE(9)
+    MTPX_GEMV_CASE(10)
+    MTPX_GEMV_CASE(11)
+    MTPX_GEMV_CASE(12)
+    MTPX_GEMV_CASE(13)
+    MTPX_GEMV_CASE(14)
+    MTPX_GEMV_CASE(15)
+#undef MTPX_GEMV_CASE
+    default:
+      fail(ErrorKind::kInternal, "gemv: {} rows", m);
+  }
+}
+
+// x = hi + lo (+ a remainder below the 16-bit type's precision squared).
+template <typename T>
+__global__ void split_to(const float* __restrict__ x, T* __restrict__ hi, T* __restrict__ lo, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if constexpr (std::is_same_v<T, __half>) {
+      const __half h = __float2half_rn(x[i]);
+      hi[i] = h, lo[i] = __float2half_rn(x[i] - __half2float(h));
+    } else {
+      const __nv_bfloat16 h = __float2bfloat16_rn(x[i]);
+      hi[i] = h, lo[i] = __float2bfloat16_rn(x[i] - __bfloat162float(h));
+    }
+  }
+}
+
+void check_cublas(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS)
+    fail(ErrorKind::kInternal, "cuBLAS {} failed (status {})", what, static_cast<int>(st));
+}
+
+// ---- small row-wise kernels
+
+template <typename W>
+__global__ void embed_kernel(const W* __restrict__ table, const int32_t* __restrict__ tokens, int64_t h,
+                             float* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  const W* row = table + static_cast<int64_t>(tokens[t]) * h;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) out[t * h + i] = to_float(row[i]);
+}
+
+__global__ void rms_norm_kernel(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
+                                float eps, int64_t n, float* out, int64_t out_stride) {
+  __shared__ float scratch[32];
+  const float* xr = x + blockIdx.x * x_stride;
+  float* o = out + blockIdx.x * out_stride;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / static_cast<float>(n) + eps);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) o[i] = (xr[i] * scale) * w[i];
+}
+
+__global__ void add_kernel(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] += y[i];
+}
+
+__global__ void swiglu_kernel(const float* gate, const float* __restrict__ up, int64_t n, float* out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = silu(gate[i]) * up[i];
+}
+
+unsigned elementwise_blocks(int64_t n) {
+  const int64_t b = (n + 255) / 256;
+  return static_cast<unsigned>(b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+// ---- attention
+
+// blockIdx = (t, head over nq + nkv); dynamic shared memory: D floats.
+__global__ void qk_norm_rope_kernel(float* qg, float* k, const float* __restrict__ v,
+                                    const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                                    float eps, int64_t nq, int64_t nkv, int64_t d, int64_t rotary_dim,
+                                    double theta, const int32_t* __restrict__ pos, float* key_cache,
+                                    float* value_cache) {
+  extern __shared__ float buf[];
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x, head = blockIdx.y;
+  const int64_t p = pos[0] + t;
+  const bool is_q = head < nq;
+  const int64_t hk = head - nq;
+  float* src = is_q ? qg + (t * nq + head) * 2 * d : k + (t * nkv + hk) * d;
+  const float* w = is_q ? q_norm : k_norm;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) ss = fmaf(src[i], src[i], ss);
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) buf[i] = (src[i] * scale) * w[i];
+  __syncthreads();
+  // Partial RoPE on the first rotary_dim channels, pairs (i, i + half); as transformers computes it:
+  // inv_freq and the angle in float32, cos/sin of the float32 angle.
+  const int64_t half = rotary_dim / 2;
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+    float r = buf[i];
+    if (i < rotary_dim) {
+      const int64_t j = i < half ? i : i - half;
+      const float inv_freq =
+          static_cast<float>(1.0 / pow(theta, static_cast<double>(2 * j) / static_cast<double>(rotary_dim)));
+      const float angle = static_cast<float>(p) * inv_freq;
+      const float c = static_cast<float>(cos(static_cast<double>(angle)));
+      const float s = static_cast<float>(sin(static_cast<double>(angle)));
+      r = i < half ? buf[i] * c - buf[i + half] * s : buf[i] * c + buf[i - half] * s;
+    }
+    src[i] = r;
+    if (!is_q) {
+      key_cache[(p * nkv + hk) * d + i] = r;
+      value_cache[(p * nkv + hk) * d + i] = v[(t * nkv + hk) * d + i];
+    }
+  }
+}
+
+constexpr int kAttnWarps = 4;
+
+// blockIdx = (t, query head). Warp w takes keys w, w + 4, ... with an online softmax; the four partial
+// results are merged in warp order. The split depends only on the row's key count: batch-invariant.
+template <int EPL>  // elements per lane: head_dim = 32 * EPL
+__global__ void __launch_bounds__(kAttnWarps * 32)
+    attention_kernel(const float* __restrict__ qg, const float* __restrict__ key_cache,
+                     const float* __restrict__ value_cache, int64_t nq, int64_t nkv,
+                     const int32_t* __restrict__ pos, float* __restrict__ o) {
+  constexpr int D = 32 * EPL;
+  __shared__ float part_m[kAttnWarps], part_l[kAttnWarps];
+  __shared__ float part_acc[kAttnWarps][D];
+  const int64_t t = blockIdx.x, h = blockIdx.y;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t hk = h / (nq / nkv);
+  const int64_t n_keys = pos[0] + t + 1;
+  const float* q = qg + (t * nq + h) * 2 * D;
+  const float scale = 1.0f / sqrtf(static_cast<float>(D));
+  float qv[EPL], acc[EPL];
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) qv[e] = q[lane * EPL + e], acc[e] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  for (int64_t j = warp; j < n_keys; j += kAttnWarps) {
+    const float* kr = key_cache + (j * nkv + hk) * D + lane * EPL;
+    const float* vr = value_cache + (j * nkv + hk) * D + lane * EPL;
+    float dot = 0.0f;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) dot = fmaf(qv[e], kr[e], dot);
+    const float s = warp_sum(dot) * scale;
+    const float m_new = fmaxf(m, s);
+    const float corr = expf(m - m_new), p = expf(s - m_new);
+    l = l * corr + p;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) acc[e] = acc[e] * corr + p * vr[e];
+    m = m_new;
+  }
+  if (lane == 0) part_m[warp] = m, part_l[warp] = l;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) part_acc[warp][lane * EPL + e] = acc[e];
+  __syncthreads();
+  float m_all = -INFINITY;
+  for (int w = 0; w < kAttnWarps; ++w) m_all = fmaxf(m_all, part_m[w]);
+  float l_all = 0.0f;
+  for (int w = 0; w < kAttnWarps; ++w) l_all += part_l[w] * expf(part_m[w] - m_all);
+  const float* gate = q + D;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float v = 0.0f;
+    for (int w = 0; w < kAttnWarps; ++w) v += part_acc[w][i] * expf(part_m[w] - m_all);
+    o[(t * nq + h) * D + i] = v / l_all * sigmoid(gate[i]);
+  }
+}
+
+// ---- Gated DeltaNet
+
+constexpr int kMaxConvKernel = 8;
+
+__global__ void conv_kernel(const float* __restrict__ qkv, float* conv_state, const float* __restrict__ w,
+                            int64_t t_count, int64_t channels, int64_t kc, float* __restrict__ x,
+                            float* __restrict__ conv_before) {
+  const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (ch >= channels) return;
+  float old[kMaxConvKernel];
+  for (int64_t r = 0; r < kc - 1; ++r) {
+    old[r] = conv_state[r * channels + ch];
+    if (conv_before != nullptr) conv_before[r * channels + ch] = old[r];
+  }
+  auto row = [&](int64_t r) { return r < kc - 1 ? old[r] : qkv[(r - (kc - 1)) * channels + ch]; };
+  for (int64_t t = 0; t < t_count; ++t) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < kc; ++j) s = fmaf(w[ch * kc + j], row(t + j), s);
+    x[t * channels + ch] = silu(s);
+  }
+  for (int64_t r = 0; r < kc - 1; ++r) conv_state[r * channels + ch] = row(t_count + r);
+}
+
+__global__ void conv_rollback_kernel(const float* __restrict__ conv_before, const float* __restrict__ qkv,
+                                     int64_t keep, int64_t channels, int64_t kc,
+                                     float* __restrict__ conv_state) {
+  const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (ch >= channels) return;
+  for (int64_t r = 0; r < kc - 1; ++r) {
+    const int64_t src = keep + r;
+    conv_state[r * channels + ch] =
+        src < kc - 1 ? conv_before[src * channels + ch] : qkv[(src - (kc - 1)) * channels + ch];
+  }
+}
+
+// blockIdx = (t, segment): segments 0..2hk-1 are the q and k heads (l2 norm), segment 2hk the gates.
+__global__ void deltanet_prepare_kernel(float* x, const float* __restrict__ b, const float* __restrict__ a,
+                                        const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                                        int64_t hk, int64_t hv, int64_t dk, int64_t conv_dim,
+                                        float* __restrict__ beta, float* __restrict__ g) {
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x, seg = blockIdx.y;
+  if (seg == 2 * hk) {
+    for (int64_t h = threadIdx.x; h < hv; h += blockDim.x) {
+      const int64_t i = t * hv + h;
+      beta[i] = sigmoid(b[i]);
+      g[i] = -expf(a_log[h]) * softplus(a[i] + dt_bias[h]);
+    }
+    return;
+  }
+  float* xs = x + t * conv_dim + seg * dk;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) ss = fmaf(xs[i], xs[i], ss);
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss + 1e-6f);
+  const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
+  for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) {
+    float v = xs[i] * scale;
+    if (seg < hk) v *= q_scale;
+    xs[i] = v;
+  }
+}
+
+// blockIdx = (value head, column block); thread j owns column j of the head's [Dk, Dv] state, kept in
+// registers over the window. Per token (§4.2): S = e^g S; kv = k^T S; delta = beta (v - kv); S += k delta^T;
+// o = q^T S.
+template <int DK>
+__global__ void delta_rule_kernel(const float* __restrict__ x, const float* __restrict__ g,
+                                  const float* __restrict__ beta, const float* s_in, float* s_out,
+                                  float* __restrict__ s_before, float* __restrict__ o, int64_t t_count,
+                                  int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim) {
+  __shared__ float qs[DK], ks[DK];
+  const int64_t h = blockIdx.x;
+  const int64_t j = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t key_head = h / (hv / hk);
+  const bool active = j < dv;
+  const size_t base = static_cast<size_t>(h) * DK * dv;
+  float S[DK];
+#pragma unroll
+  for (int i = 0; i < DK; ++i) S[i] = active ? s_in[base + i * dv + j] : 0.0f;
+  if (s_before != nullptr && active) {
+#pragma unroll
+    for (int i = 0; i < DK; ++i) s_before[base + i * dv + j] = S[i];
+  }
+  for (int64_t t = 0; t < t_count; ++t) {
+    const float* xt = x + t * conv_dim;
+    __syncthreads();
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+      qs[i] = xt[key_head * DK + i];
+      ks[i] = xt[hk * DK + key_head * DK + i];
+    }
+    __syncthreads();
+    if (!active) continue;
+    const float decay = expf(g[t * hv + h]);
+    float kv = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DK; ++i) {
+      S[i] *= decay;
+      kv = fmaf(ks[i], S[i], kv);
+    }
+    const float delta = (xt[2 * hk * DK + h * dv + j] - kv) * beta[t * hv + h];
+    float out = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DK; ++i) {
+      S[i] = fmaf(ks[i], delta, S[i]);
+      out = fmaf(qs[i], S[i], out);
+    }
+    o[(t * hv + h) * dv + j] = out;
+  }
+  if (active) {
+#pragma unroll
+    for (int i = 0; i < DK; ++i) s_out[base + i * dv + j] = S[i];
+  }
+}
+
+__global__ void gated_rms_norm_kernel(float* o, const float* __restrict__ z, const float* __restrict__ w,
+                                      float eps, int64_t n) {
+  __shared__ float scratch[32];
+  float* r = o + blockIdx.x * n;
+  const float* zr = z + blockIdx.x * n;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss = fmaf(r[i], r[i], ss);
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / static_cast<float>(n) + eps);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) r[i] = ((r[i] * scale) * w[i]) * silu(zr[i]);
+}
+
+__global__ void argmax_kernel(const float* __restrict__ logits, int64_t vocab, int64_t limit, int32_t* out) {
+  __shared__ float best_v[1024];
+  __shared__ int32_t best_i[1024];
+  const float* row = logits + blockIdx.x * vocab;
+  float bv = -INFINITY;
+  int32_t bi = 0x7fffffff;
+  for (int64_t i = threadIdx.x; i < limit; i += blockDim.x)
+    if (row[i] > bv) bv = row[i], bi = static_cast<int32_t>(i);
+  best_v[threadIdx.x] = bv, best_i[threadIdx.x] = bi;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) {
+      const float ov = best_v[threadIdx.x + stride];
+      const int32_t oi = best_i[threadIdx.x + stride];
+      if (ov > best_v[threadIdx.x] || (ov == best_v[threadIdx.x] && oi < best_i[threadIdx.x]))
+        best_v[threadIdx.x] = ov, best_i[threadIdx.x] = oi;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = best_i[0] == 0x7fffffff ? 0 : best_i[0];
+}
+
+}  // namespace
+
+namespace {
+
+template <int MODE>
+void row_kernels(const Matrix* ws, int count, const float* x, int64_t m, float* const* ys, cudaStream_t s) {
+  auto fill = [&](auto* typed_null) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(typed_null)>>;
+    GemvGroup<W> g{};
+    g.count = MODE == kSwiglu ? 1 : count;
+    g.cols = static_cast<int>(ws[0].cols);
+    for (int i = 0; i < count; ++i) {
+      g.w[i] = static_cast<const W*>(ws[i].data);
+      g.rows[i] = static_cast<int>(ws[i].rows);
+      g.y[i] = MODE == kSwiglu && i > 0 ? nullptr : ys[i];
+    }
+    launch_gemv<W, MODE>(g, x, m, s);
+  };
+  switch (ws[0].type) {
+    case Dtype::kBF16:
+      fill(static_cast<const __nv_bfloat16*>(nullptr));
+      break;
+    case Dtype::kF16:
+      fill(static_cast<const __half*>(nullptr));
+      break;
+    case Dtype::kF32:
+      fill(static_cast<const float*>(nullptr));
+      break;
+  }
+  check_launch("gemv");
+}
+
+// y (+)= x W^T through cuBLAS, row-major y[m, rows] = column-major y^T = W x^T with W^T stored [cols, rows].
+// bf16/f16 weights: x is split as x_hi + x_lo, both in the weight's dtype (two products, f32 accumulation),
+// so the prompt keeps ~16 bits of its float32 activations instead of bf16's 8.
+void gemm(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate, void* scratch,
+          cudaStream_t s, void* cublas) {
+  const auto h = static_cast<cublasHandle_t>(cublas);
+  const int rows = static_cast<int>(w.rows), cols = static_cast<int>(w.cols), n = static_cast<int>(m);
+  const float alpha = 1.0f, beta0 = accumulate ? 1.0f : 0.0f, beta1 = 1.0f;
+  if (w.type == Dtype::kF32) {
+    check_cublas(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha,
+                             static_cast<const float*>(w.data), cols, x, cols, &beta0, y, rows),
+                 "sgemm");
+    return;
+  }
+  const cudaDataType_t type = w.type == Dtype::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+  const int64_t count = m * cols;
+  void* hi = scratch;
+  void* lo = static_cast<char*>(scratch) + count * 2;
+  if (w.type == Dtype::kBF16)
+    split_to<<<elementwise_blocks(count), 256, 0, s>>>(x, static_cast<__nv_bfloat16*>(hi),
+                                                       static_cast<__nv_bfloat16*>(lo), count);
+  else
+    split_to<<<elementwise_blocks(count), 256, 0, s>>>(x, static_cast<__half*>(hi), static_cast<__half*>(lo),
+                                                       count);
+  check_launch("split_to");
+  check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data, type, cols, hi, type,
+                            cols, &beta0, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "gemm");
+  check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data, type, cols, lo, type,
+                            cols, &beta1, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "gemm");
+}
+
+}  // namespace
+
+void matmul(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate, const Workspace& ws) {
+  if (m <= 0) return;
+  const cudaStream_t s = as_stream(ws.stream);
+  if (m >= kGemmMinRows) return gemm(w, x, m, y, accumulate, ws.scratch, s, ws.cublas);
+  float* const ys[1] = {y};
+  if (accumulate)
+    row_kernels<kAccumulate>(&w, 1, x, m, ys, s);
+  else
+    row_kernels<kStore>(&w, 1, x, m, ys, s);
+}
+
+void matmul_group(const Matrix* w, float* const* y, int count, const float* x, int64_t m,
+                  const Workspace& ws) {
+  if (count < 1 || count > kMaxGroup) fail(ErrorKind::kInternal, "matmul_group: {} matrices", count);
+  bool same = true;
+  for (int i = 0; i < count; ++i) same &= w[i].type == w[0].type && w[i].cols == w[0].cols;
+  if (m >= kGemmMinRows || !same) {
+    for (int i = 0; i < count; ++i) matmul(w[i], x, m, y[i], false, ws);
+    return;
+  }
+  if (m > 0) row_kernels<kStore>(w, count, x, m, y, as_stream(ws.stream));
+}
+
+void matmul_swiglu(const Matrix& gate, const Matrix& up, const float* x, int64_t m, float* out,
+                   float* up_scratch, const Workspace& ws) {
+  if (m <= 0) return;
+  if (m >= kGemmMinRows || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols) {
+    matmul(gate, x, m, out, false, ws);
+    matmul(up, x, m, up_scratch, false, ws);
+    swiglu(out, up_scratch, m * gate.rows, out, ws.stream);
+    return;
+  }
+  const Matrix both[2] = {gate, up};
+  float* const ys[1] = {out};
+  row_kernels<kSwiglu>(both, 2, x, m, ys, as_stream(ws.stream));
+}
+
+void embed_rows(const Matrix& table, const int32_t* tokens, int64_t t_count, float* out, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  const auto grid = static_cast<unsigned>(t_count);
+  switch (table.type) {
+    case Dtype::kBF16:
+      embed_kernel<<<grid, 256, 0, s>>>(static_cast<const __nv_bfloat16*>(table.data), tokens, table.cols,
+                                        out);
+      break;
+    case Dtype::kF16:
+      embed_kernel<<<grid, 256, 0, s>>>(static_cast<const __half*>(table.data), tokens, table.cols, out);
+      break;
+    case Dtype::kF32:
+      embed_kernel<<<grid, 256, 0, s>>>(static_cast<const float*>(table.data), tokens, table.cols, out);
+      break;
+  }
+  check_launch("embed_rows");
+}
+
+void rms_norm_rows(const float* x, int64_t x_stride, const float* weight, float eps, int64_t rows, int64_t n,
+                   float* out, int64_t out_stride, void* stream) {
+  // One block per row, up to 1024 threads: a decode row (one block) is latency-bound, so use many lanes.
+  const int threads = n >= 4096 ? 1024 : n >= 1024 ? 256 : 128;
+  rms_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(x, x_stride, weight, eps, n,
+                                                                                  out, out_stride);
+  check_launch("rms_norm_rows");
+}
+
+void add_inplace(float* x, const float* y, int64_t n, void* stream) {
+  add_kernel<<<elementwise_blocks(n), 256, 0, as_stream(stream)>>>(x, y, n);
+  check_launch("add_inplace");
+}
+
+void swiglu(const float* gate, const float* up, int64_t n, float* out, void* stream) {
+  swiglu_kernel<<<elementwise_blocks(n), 256, 0, as_stream(stream)>>>(gate, up, n, out);
+  check_launch("swiglu");
+}
+
+void qk_norm_rope_store(float* qg, float* k, const float* v, const float* q_norm, const float* k_norm,
+                        float eps, int64_t t_count, int64_t nq, int64_t nkv, int64_t head_dim,
+                        int64_t rotary_dim, double rope_theta, const int32_t* pos, float* key_cache,
+                        float* value_cache, void* stream) {
+  const dim3 grid(static_cast<unsigned>(t_count), static_cast<unsigned>(nq + nkv));
+  qk_norm_rope_kernel<<<grid, 128, static_cast<size_t>(head_dim) * sizeof(float), as_stream(stream)>>>(
+      qg, k, v, q_norm, k_norm, eps, nq, nkv, head_dim, rotary_dim, rope_theta, pos, key_cache, value_cache);
+  check_launch("qk_norm_rope_store");
+}
+
+void attention(const float* qg, const float* key_cache, const float* value_cache, int64_t t_count, int64_t nq,
+               int64_t nkv, int64_t head_dim, const int32_t* pos, float* o, void* stream) {
+  const dim3 grid(static_cast<unsigned>(t_count), static_cast<unsigned>(nq));
+  const cudaStream_t s = as_stream(stream);
+  switch (head_dim) {
+    case 32:
+      attention_kernel<1><<<grid, kAttnWarps * 32, 0, s>>>(qg, key_cache, value_cache, nq, nkv, pos, o);
+      break;
+    case 64:
+      attention_kernel<2><<<grid, kAttnWarps * 32, 0, s>>>(qg, key_cache, value_cache, nq, nkv, pos, o);
+      break;
+    case 128:
+      attention_kernel<4><<<grid, kAttnWarps * 32, 0, s>>>(qg, key_cache, value_cache, nq, nkv, pos, o);
+      break;
+    case 256:
+      attention_kernel<8><<<grid, kAttnWarps * 32, 0, s>>>(qg, key_cache, value_cache, nq, nkv, pos, o);
+      break;
+    default:
+      fail(ErrorKind::kUnsupported, "--device cuda: head_dim {} is not supported (32, 64, 128, 256)",
+           head_dim);
+  }
+  check_launch("attention");
+}
+
+void deltanet_conv(const float* qkv, float* conv_state, const float* conv_weight, int64_t t_count,
+                   int64_t channels, int64_t kc, float* x, float* conv_before, void* stream) {
+  if (kc > kMaxConvKernel)
+    fail(ErrorKind::kUnsupported, "--device cuda: conv kernel size {} > {}", kc, kMaxConvKernel);
+  conv_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(qkv, conv_state, conv_weight, t_count,
+                                                                        channels, kc, x, conv_before);
+  check_launch("deltanet_conv");
+}
+
+void deltanet_conv_rollback(const float* conv_before, const float* qkv, int64_t keep, int64_t channels,
+                            int64_t kc, float* conv_state, void* stream) {
+  conv_rollback_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(conv_before, qkv, keep,
+                                                                                 channels, kc, conv_state);
+  check_launch("deltanet_conv_rollback");
+}
+
+void deltanet_prepare(float* x, const float* b, const float* a, const float* a_log, const float* dt_bias,
+                      int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t conv_dim, float* beta,
+                      float* g, void* stream) {
+  const dim3 grid(static_cast<unsigned>(t_count), static_cast<unsigned>(2 * hk + 1));
+  deltanet_prepare_kernel<<<grid, 128, 0, as_stream(stream)>>>(x, b, a, a_log, dt_bias, hk, hv, dk, conv_dim,
+                                                               beta, g);
+  check_launch("deltanet_prepare");
+}
+
+void delta_rule(const float* x, const float* g, const float* beta, const float* s_in, float* s_out,
+                float* s_before, float* o, int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
+                int64_t conv_dim, void* stream) {
+  const int threads = 32;  // more blocks: a decode step is latency-bound on the state loads
+  const dim3 grid(static_cast<unsigned>(hv), blocks_for(dv, threads));
+  const cudaStream_t s = as_stream(stream);
+  switch (dk) {
+#define MTPX_DELTA_CASE(DK)                                                                             \
+  case DK:                                                                                              \
+    delta_rule_kernel<DK>                                                                               \
+        <<<grid, threads, 0, s>>>(x, g, beta, s_in, s_out, s_before, o, t_count, hk, hv, dv, conv_dim); \
+    break;
+    MTPX_DELTA_CASE(16)
+    MTPX_DELTA_CASE(32)
+    MTPX_DELTA_CASE(64)
+    MTPX_DELTA_CASE(128)
+#undef MTPX_DELTA_CASE
+    default:
+      fail(ErrorKind::kUnsupported,
+           "--device cuda: linear_key_head_dim {} is not supported (16, 32, 64, 128)", dk);
+  }
+  check_launch("delta_rule");
+}
+
+void gated_rms_norm(float* o, const float* z, const float* weight, float eps, int64_t rows, int64_t n,
+                    void* stream) {
+  gated_rms_norm_kernel<<<static_cast<unsigned>(rows), 128, 0, as_stream(stream)>>>(o, z, weight, eps, n);
+  check_launch("gated_rms_norm");
+}
+
+void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int32_t* out,
+                 void* stream) {
+  argmax_kernel<<<static_cast<unsigned>(rows), 1024, 0, as_stream(stream)>>>(logits, vocab, limit, out);
+  check_launch("argmax_rows");
+}
+
+}  // namespace mtpx::cuda

@@ -1,0 +1,101 @@
+// CUDA kernels for decoding: generic row-wise operations with dimensions as arguments (no model
+// knowledge; the model code in src/model/cuda_executor.cpp composes them). Every launcher runs
+// asynchronously on `stream` (a cudaStream_t).
+//
+// Batch invariance (what makes greedy MTP lossless on the GPU, as on the CPU): every kernel computes a
+// row with the same sequence of floating-point operations whatever the number of rows launched with it.
+// matmul splits the reduction over k the same way for every row count below kGemmMinRows; attention
+// gives each query row its own block with a key split that depends only on the row's own key count;
+// the delta rule runs token by token. Prompt prefill (>= kGemmMinRows rows) uses cuBLAS instead: not
+// bitwise equal to the row kernels, but prefill is the same computation in plain and speculative
+// decoding. Positions are read from device memory (`pos`) so that a captured CUDA graph can be
+// replayed at any position.
+#pragma once
+
+#include <cstdint>
+
+namespace mtpx::cuda {
+
+enum class Dtype { kF32, kF16, kBF16 };
+
+// A row-major [rows, cols] weight matrix in device memory (nn.Linear layout: rows = out features).
+struct Matrix {
+  Dtype type = Dtype::kBF16;
+  const void* data = nullptr;
+  int64_t rows = 0, cols = 0;
+};
+
+inline constexpr int64_t kGemmMinRows = 16;
+
+// Where the matrix products run: the stream, its cuBLAS handle, and scratch for the prompt path (the
+// float32 activations split into two 16-bit halves: at least 4 * m * cols bytes).
+struct Workspace {
+  void* stream = nullptr;  // cudaStream_t
+  void* cublas = nullptr;  // cublasHandle_t
+  void* scratch = nullptr;
+};
+
+// y[m, o] (+)= sum_k x[m, k] W[o, k], float32 x and y (accumulate: add to y, the residual update).
+// m < kGemmMinRows: the batch-invariant row kernels; else cuBLAS on x split into hi + lo halves in the
+// weight's dtype (float32 weights: sgemm).
+void matmul(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate, const Workspace& ws);
+// Up to 4 products of the same x in one launch: y[i] = x W[i]^T, i < count.
+void matmul_group(const Matrix* w, float* const* y, int count, const float* x, int64_t m,
+                  const Workspace& ws);
+// out = silu(x gate^T) * (x up^T) in one launch (up_scratch [m, rows] is used on the prompt path).
+void matmul_swiglu(const Matrix& gate, const Matrix& up, const float* x, int64_t m, float* out,
+                   float* up_scratch, const Workspace& ws);
+
+// out[t, :] = float(W[tokens[t], :])
+void embed_rows(const Matrix& table, const int32_t* tokens, int64_t t_count, float* out, void* stream);
+
+// out[r, :n] = x[r, :n] / sqrt(mean(x^2) + eps) * weight  (row strides in elements)
+void rms_norm_rows(const float* x, int64_t x_stride, const float* weight, float eps, int64_t rows, int64_t n,
+                   float* out, int64_t out_stride, void* stream);
+
+void add_inplace(float* x, const float* y, int64_t n, void* stream);
+// out = silu(gate) * up
+void swiglu(const float* gate, const float* up, int64_t n, float* out, void* stream);
+
+// Gated attention, step 1: per token t (position pos[0] + t): RMS-norm and partial RoPE of the query part
+// of each qg head ([T, nq, 2D]: query | gate) and of each key head, then keys and values into the
+// caches ([capacity, nkv, D]) at their positions.
+void qk_norm_rope_store(float* qg, float* k, const float* v, const float* q_norm, const float* k_norm,
+                        float eps, int64_t t_count, int64_t nq, int64_t nkv, int64_t head_dim,
+                        int64_t rotary_dim, double rope_theta, const int32_t* pos, float* key_cache,
+                        float* value_cache, void* stream);
+
+// Gated attention, step 2: o[t, h] = softmax(q k^T / sqrt(D)) v over cache positions 0..pos[0]+t,
+// times sigmoid(gate).  qg: [T, nq, 2D]; o: [T, nq, D].
+void attention(const float* qg, const float* key_cache, const float* value_cache, int64_t t_count, int64_t nq,
+               int64_t nkv, int64_t head_dim, const int32_t* pos, float* o, void* stream);
+
+// Gated DeltaNet, causal depthwise conv + SiLU over [conv_state (kc-1 rows); qkv (T rows)] per channel;
+// conv_state becomes the last kc-1 rows. With conv_before, the old state is kept there first.
+void deltanet_conv(const float* qkv, float* conv_state, const float* conv_weight, int64_t t_count,
+                   int64_t channels, int64_t kc, float* x, float* conv_before, void* stream);
+
+// Rebuilds a conv state as the last kc-1 rows of [conv_before; qkv rows 0..keep-1].
+void deltanet_conv_rollback(const float* conv_before, const float* qkv, int64_t keep, int64_t channels,
+                            int64_t kc, float* conv_state, void* stream);
+
+// l2-normalizes q and k per key head (q also scaled by Dk^-1/2) inside x [T, conv_dim], and
+// beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias)  ([T, Hv]).
+void deltanet_prepare(float* x, const float* b, const float* a, const float* a_log, const float* dt_bias,
+                      int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t conv_dim, float* beta,
+                      float* g, void* stream);
+
+// The gated delta rule, token by token (§4.2), per value head: state [Hv, Dk, Dv] is read from s_in,
+// written to s_out (may alias), and copied to s_before first when non-null. o: [T, Hv, Dv].
+void delta_rule(const float* x, const float* g, const float* beta, const float* s_in, float* s_out,
+                float* s_before, float* o, int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
+                int64_t conv_dim, void* stream);
+
+// o[r, :] = rms_norm(o[r, :]) * weight * silu(z[r, :]) for rows of n (the DeltaNet output norm).
+void gated_rms_norm(float* o, const float* z, const float* weight, float eps, int64_t rows, int64_t n,
+                    void* stream);
+
+// Greedy helper: out[r] = argmax over the first `limit` logits of row r (lowest index on ties).
+void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int32_t* out, void* stream);
+
+}  // namespace mtpx::cuda

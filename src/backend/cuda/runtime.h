@@ -1,0 +1,99 @@
+// The CUDA runtime behind small RAII wrappers, so that code above the backend never includes CUDA
+// headers: device discovery, device memory, a stream, a cuBLAS handle, captured CUDA graphs.
+// Every failure throws mtpx::Error naming the call (kUnsupported when there is no usable GPU).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace mtpx::cuda {
+
+// Empty when a CUDA device is usable; else why not ("no CUDA device", "driver too old", ...).
+std::string unavailable_reason();
+
+struct DeviceInfo {
+  std::string name;
+  int compute_major = 0, compute_minor = 0;
+  int64_t total_bytes = 0, free_bytes = 0;
+};
+DeviceInfo device_info();
+
+// Device memory (cudaMalloc), freed on destruction.
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(size_t bytes);
+  ~Buffer();
+  Buffer(Buffer&& other) noexcept;
+  Buffer& operator=(Buffer&& other) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Page-locked host memory (cudaMallocHost): device copies to and from it run at full speed.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A CUDA stream and the cuBLAS handle bound to it.
+class Stream {
+ public:
+  Stream();
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  void* handle() const { return stream_; }  // cudaStream_t
+  void* cublas() const { return cublas_; }  // cublasHandle_t
+  void synchronize() const;
+  void to_device(void* dst, const void* src, size_t bytes) const;  // ordered on the stream
+  void to_host(void* dst, const void* src, size_t bytes) const;    // ordered on the stream
+  void device_copy(void* dst, const void* src, size_t bytes) const;
+  void zero(void* dst, size_t bytes) const;
+
+  // CUDA graphs: everything launched on the stream between begin_capture and end_capture is recorded
+  // instead of run; the returned graph (cudaGraphExec_t) replays it with one launch.
+  void begin_capture() const;
+  void* end_capture() const;
+  void launch_graph(void* graph) const;
+  static void destroy_graph(void* graph);
+
+ private:
+  void* stream_ = nullptr;
+  void* cublas_ = nullptr;
+};
+
+// Roofline probes (measure the card before judging a kernel): device-to-device copy bandwidth in bytes
+// moved per second (read + written), and the bf16 GEMM rate (n x n x n, f32 accumulate) in FLOP/s.
+double copy_bandwidth(size_t bytes, int reps);
+double bf16_gemm_rate(int n, int reps);
+
+// Throws if the last kernel launch failed (launch configuration errors surface here).
+void check_launch(const char* what);
+
+}  // namespace mtpx::cuda

@@ -1,0 +1,485 @@
+// The Qwen3.5 forward pass on a CUDA GPU: the same blocks as the CPU code (decoder_layer.cpp,
+// attention.cpp, gated_deltanet.cpp, mlp.cpp, mtp_head.cpp) composed from backend/cuda kernels.
+// Weights are uploaded once; activations live in scratch buffers sized for the longest pass so far;
+// each sequence holds its KV caches and DeltaNet states in device memory.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/runtime.h"
+#include "model/device.h"
+#include "model/mtp_head.h"
+#include "model/qwen35.h"
+#include "util/error.h"
+
+namespace mtpx {
+namespace {
+
+using cuda::Buffer;
+using cuda::Matrix;
+
+struct DeviceAttention {
+  Matrix q_proj, k_proj, v_proj, o_proj;
+  const float *q_norm = nullptr, *k_norm = nullptr;
+};
+struct DeviceDeltaNet {
+  Matrix in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj;
+  const float *conv1d = nullptr, *a_log = nullptr, *dt_bias = nullptr, *norm = nullptr;
+};
+struct DeviceLayer {
+  LayerType type = LayerType::kLinearAttention;
+  const float *input_norm = nullptr, *post_attn_norm = nullptr;
+  DeviceAttention attention;
+  DeviceDeltaNet delta_net;
+  Matrix gate_proj, up_proj, down_proj;
+};
+struct DeviceHead {
+  Matrix fc;
+  const float *pre_fc_norm_embedding = nullptr, *pre_fc_norm_hidden = nullptr, *norm = nullptr;
+  DeviceLayer layer;
+};
+
+// A verify window longer than this is not recorded (the CPU has the same bound: kGemmMinRows).
+constexpr int64_t kMaxWindow = cuda::kGemmMinRows - 1;
+
+struct DeviceKv {
+  Buffer keys, values;  // [capacity, nkv, D]
+};
+struct DeviceDelta {
+  Buffer conv, ssm;  // [Kc-1, conv_dim], [Hv, Dk, Dv]
+  // The recorded window (as DeltaNetWindow on the CPU): state before it and its per-token inputs.
+  Buffer conv_before, ssm_before, qkv, x, g, beta;
+};
+
+// A captured pass: replaying it launches the same kernels on the same buffers (positions and tokens
+// are read from device memory, written before each launch).
+struct CapturedPass {
+  void* exec = nullptr;     // cudaGraphExec_t
+  int64_t generation = -1;  // the scratch buffers it was captured with
+};
+
+class CudaSequence : public DeviceSequence {
+ public:
+  ~CudaSequence() override {
+    for (auto& [key, pass] : graphs) cuda::Stream::destroy_graph(pass.exec);
+  }
+  Buffer pos{sizeof(int32_t)};
+  std::vector<DeviceKv> kv;        // per layer (empty buffers for DeltaNet layers)
+  std::vector<DeviceDelta> delta;  // per layer (empty for attention layers)
+  // Key: rows T, logit rows, record_window. One set per sequence: the graphs hold its buffers.
+  std::map<std::tuple<int64_t, LogitRows, bool>, CapturedPass> graphs;
+};
+
+class CudaExecutor final : public DeviceExecutor {
+ public:
+  explicit CudaExecutor(const Model& model);
+  std::string description() const override { return description_; }
+  int64_t weight_bytes() const override { return weight_bytes_; }
+  std::unique_ptr<DeviceSequence> new_sequence(int64_t capacity) const override;
+  std::unique_ptr<DeviceSequence> new_mtp_sequence(int64_t capacity) const override;
+  void forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens, LogitRows rows,
+               std::vector<float>& hidden, std::vector<float>& logits, bool record_window) const override;
+  void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const override;
+  void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden, std::span<const int32_t> tokens,
+                   int64_t p0, LogitRows rows, std::vector<float>& hidden_out,
+                   std::vector<float>& logits) const override;
+
+ private:
+  // Scratch activations for passes of up to `capacity` rows.
+  struct Scratch {
+    int64_t rows = 0;
+    Buffer tokens, x, normed, hidden, joined, qg, k, v, attn_o, qkv, xconv, z, b, a, g, beta, dn_o, gate, up,
+        rounded;
+  };
+  Matrix upload(const cpu::WeightMatrix& w, const char* what);
+  const float* upload(const std::vector<float>& v);
+  DeviceLayer upload(const LayerWeights& layer);
+  void ensure_scratch(int64_t rows) const;
+  void layer_forward(const DeviceLayer& layer, CudaSequence& seq, int64_t layer_index, DeviceKv* kv,
+                     int64_t t_count, bool record_window) const;
+  cuda::Workspace workspace() const { return {stream_.handle(), stream_.cublas(), scratch_.rounded.data()}; }
+  void mm(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate = false) const {
+    cuda::matmul(w, x, m, y, accumulate, workspace());
+  }
+  void final_norm_and_logits(int64_t t_count, LogitRows rows, const float* norm) const;
+  void copy_out(int64_t t_count, LogitRows rows, std::vector<float>& hidden,
+                std::vector<float>& logits) const;
+  // Runs `body` (kernels only) on the stream; passes short enough for the row kernels are captured into a
+  // CUDA graph the first time and replayed after (one launch instead of hundreds).
+  template <typename Body>
+  void run_pass(CudaSequence& seq, int64_t t_count, LogitRows rows, bool record, Body&& body) const;
+  void set_inputs(CudaSequence& seq, int64_t p0, std::span<const int32_t> tokens) const;
+
+  ModelConfig config_;
+  std::string description_;
+  int64_t weight_bytes_ = 0;
+  mutable std::mutex mutex_;  // one pass at a time: the scratch buffers are shared
+  cuda::Stream stream_;
+  std::vector<Buffer> arena_;               // every uploaded tensor
+  std::map<const void*, Matrix> uploaded_;  // host data -> device matrix (tied weights upload once)
+  Matrix embed_tokens_, lm_head_;
+  const float* final_norm_ = nullptr;
+  std::vector<DeviceLayer> layers_;
+  std::optional<DeviceHead> head_;
+  mutable Scratch scratch_;
+  mutable int64_t scratch_generation_ = 0;
+  bool use_graphs_ = true;
+  mutable Buffer logits_;
+  mutable cuda::PinnedBuffer staging_;  // host side of the result copies  // [rows, V] of the last pass
+                                        // (grown on demand: only kAll passes need > 1 row)
+};
+
+cuda::Dtype device_dtype(cpu::WeightType t, const char* what) {
+  switch (t) {
+    case cpu::WeightType::kF32:
+      return cuda::Dtype::kF32;
+    case cpu::WeightType::kF16:
+      return cuda::Dtype::kF16;
+    case cpu::WeightType::kBF16:
+      return cuda::Dtype::kBF16;
+    case cpu::WeightType::kAffine:
+      break;
+  }
+  fail(ErrorKind::kUnsupported,
+       "--device cuda: quantized weights ({}) are not supported yet; use a bf16 checkpoint", what);
+}
+
+size_t dtype_bytes(cuda::Dtype t) { return t == cuda::Dtype::kF32 ? 4 : 2; }
+
+CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
+  const ModelConfig& c = config_;
+  const cuda::DeviceInfo info = cuda::device_info();
+  description_ = fmt::format("cuda: {}, sm_{}{}, {:.1f} GiB", info.name, info.compute_major,
+                             info.compute_minor, static_cast<double>(info.total_bytes) / (1 << 30));
+  if (c.head_dim % 32 != 0 || c.head_dim > 256)
+    fail(ErrorKind::kUnsupported, "--device cuda: head_dim {} is not supported (32, 64, 128, 256)",
+         c.head_dim);
+  const ModelWeights& w = model.weights();
+  embed_tokens_ = upload(w.embed_tokens, "embed_tokens");
+  lm_head_ = upload(w.lm_head, "lm_head");
+  final_norm_ = upload(w.final_norm);
+  for (const LayerWeights& layer : w.layers) layers_.push_back(upload(layer));
+  if (const MtpWeights* m = model.mtp()) {
+    DeviceHead h;
+    h.fc = upload(m->fc, "mtp.fc");
+    h.pre_fc_norm_embedding = upload(m->pre_fc_norm_embedding);
+    h.pre_fc_norm_hidden = upload(m->pre_fc_norm_hidden);
+    h.norm = upload(m->norm);
+    h.layer = upload(m->layer);
+    head_ = h;
+  }
+  stream_.synchronize();
+  ensure_scratch(cuda::kGemmMinRows);
+  logits_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * c.vocab_size) * sizeof(float));
+  // MTPX_CUDA_GRAPHS=0 runs every pass launch by launch (for debugging and for measuring what graphs save).
+  if (const char* g = std::getenv("MTPX_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
+}
+
+Matrix CudaExecutor::upload(const cpu::WeightMatrix& w, const char* what) {
+  if (auto it = uploaded_.find(w.data); it != uploaded_.end()) return it->second;
+  Matrix m{device_dtype(w.type, what), nullptr, w.rows, w.cols};
+  const size_t bytes = static_cast<size_t>(w.rows * w.cols) * dtype_bytes(m.type);
+  Buffer b(bytes);
+  stream_.to_device(b.data(), w.data, bytes);
+  m.data = b.data();
+  weight_bytes_ += static_cast<int64_t>(bytes);
+  arena_.push_back(std::move(b));
+  uploaded_[w.data] = m;
+  return m;
+}
+
+const float* CudaExecutor::upload(const std::vector<float>& v) {
+  if (v.empty()) return nullptr;
+  Buffer b(v.size() * sizeof(float));
+  stream_.to_device(b.data(), v.data(), b.bytes());
+  stream_.synchronize();  // v is pageable host memory that may go away
+  const float* p = b.as<float>();
+  weight_bytes_ += static_cast<int64_t>(b.bytes());
+  arena_.push_back(std::move(b));
+  return p;
+}
+
+DeviceLayer CudaExecutor::upload(const LayerWeights& l) {
+  DeviceLayer d;
+  d.type = l.type;
+  d.input_norm = upload(l.input_norm);
+  d.post_attn_norm = upload(l.post_attn_norm);
+  if (l.attention) {
+    const AttentionWeights& a = *l.attention;
+    d.attention = {upload(a.q_proj, "q_proj"), upload(a.k_proj, "k_proj"), upload(a.v_proj, "v_proj"),
+                   upload(a.o_proj, "o_proj"), upload(a.q_norm),           upload(a.k_norm)};
+  }
+  if (l.delta_net) {
+    const DeltaNetWeights& n = *l.delta_net;
+    d.delta_net = {upload(n.in_proj_qkv, "in_proj_qkv"),
+                   upload(n.in_proj_z, "in_proj_z"),
+                   upload(n.in_proj_b, "in_proj_b"),
+                   upload(n.in_proj_a, "in_proj_a"),
+                   upload(n.out_proj, "out_proj"),
+                   upload(n.conv1d),
+                   upload(n.a_log),
+                   upload(n.dt_bias),
+                   upload(n.norm)};
+  }
+  d.gate_proj = upload(l.mlp.gate_proj, "gate_proj");
+  d.up_proj = upload(l.mlp.up_proj, "up_proj");
+  d.down_proj = upload(l.mlp.down_proj, "down_proj");
+  return d;
+}
+
+void CudaExecutor::ensure_scratch(int64_t rows) const {
+  if (rows <= scratch_.rows) return;
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, qg = c.num_attention_heads * 2 * c.head_dim,
+                kv = c.num_kv_heads * c.head_dim;
+  const int64_t hv = c.linear_num_value_heads, vdim = hv * c.linear_value_head_dim, conv = c.conv_dim();
+  const int64_t widest =
+      std::max({2 * H, c.intermediate_size, conv, vdim, c.num_attention_heads * c.head_dim});
+  auto f32 = [&](int64_t per_row) { return Buffer(static_cast<size_t>(rows * per_row) * sizeof(float)); };
+  Scratch s;
+  s.rows = rows;
+  s.tokens = Buffer(static_cast<size_t>(rows) * sizeof(int32_t));
+  s.x = f32(H), s.normed = f32(H), s.hidden = f32(H), s.joined = f32(2 * H);
+  s.qg = f32(qg), s.k = f32(kv), s.v = f32(kv), s.attn_o = f32(c.num_attention_heads * c.head_dim);
+  s.qkv = f32(conv), s.xconv = f32(conv), s.z = f32(vdim), s.b = f32(hv), s.a = f32(hv), s.g = f32(hv);
+  s.beta = f32(hv), s.dn_o = f32(vdim), s.gate = f32(c.intermediate_size), s.up = f32(c.intermediate_size);
+  s.rounded = Buffer(static_cast<size_t>(rows * widest) * 4);  // hi + lo 16-bit halves
+  stream_.synchronize();  // the old buffers may still be in use by queued work
+  scratch_ = std::move(s);
+  ++scratch_generation_;  // graphs captured on the old buffers are stale
+}
+
+std::unique_ptr<DeviceSequence> CudaExecutor::new_sequence(int64_t capacity) const {
+  const ModelConfig& c = config_;
+  auto seq = std::make_unique<CudaSequence>();
+  seq->kv.resize(static_cast<size_t>(c.num_layers));
+  seq->delta.resize(static_cast<size_t>(c.num_layers));
+  const int64_t conv = c.conv_dim(), kc1 = c.linear_conv_kernel_dim - 1, hv = c.linear_num_value_heads;
+  const size_t ssm =
+      static_cast<size_t>(hv * c.linear_key_head_dim * c.linear_value_head_dim) * sizeof(float);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    if (c.layer_types[static_cast<size_t>(i)] == LayerType::kFullAttention) {
+      const size_t n = static_cast<size_t>(capacity * c.num_kv_heads * c.head_dim) * sizeof(float);
+      seq->kv[static_cast<size_t>(i)] = {Buffer(n), Buffer(n)};
+    } else {
+      DeviceDelta& d = seq->delta[static_cast<size_t>(i)];
+      const size_t conv_bytes = static_cast<size_t>(kc1 * conv) * sizeof(float);
+      d.conv = Buffer(conv_bytes), d.ssm = Buffer(ssm);
+      d.conv_before = Buffer(conv_bytes), d.ssm_before = Buffer(ssm);
+      d.qkv = Buffer(static_cast<size_t>(kMaxWindow * conv) * sizeof(float));
+      d.x = Buffer(static_cast<size_t>(kMaxWindow * conv) * sizeof(float));
+      d.g = Buffer(static_cast<size_t>(kMaxWindow * hv) * sizeof(float));
+      d.beta = Buffer(static_cast<size_t>(kMaxWindow * hv) * sizeof(float));
+      stream_.zero(d.conv.data(), conv_bytes);
+      stream_.zero(d.ssm.data(), ssm);
+    }
+  }
+  stream_.synchronize();
+  return seq;
+}
+
+std::unique_ptr<DeviceSequence> CudaExecutor::new_mtp_sequence(int64_t capacity) const {
+  auto seq = std::make_unique<CudaSequence>();
+  const size_t n = static_cast<size_t>(capacity * config_.num_kv_heads * config_.head_dim) * sizeof(float);
+  seq->kv.push_back({Buffer(n), Buffer(n)});
+  return seq;
+}
+
+void CudaExecutor::set_inputs(CudaSequence& seq, int64_t p0, std::span<const int32_t> tokens) const {
+  ensure_scratch(static_cast<int64_t>(tokens.size()));
+  const int32_t pos = static_cast<int32_t>(p0);
+  stream_.to_device(seq.pos.data(), &pos, sizeof(pos));
+  stream_.to_device(scratch_.tokens.data(), tokens.data(), tokens.size_bytes());
+}
+
+// One decoder layer (decoder_layer.cpp) in place on scratch x [T, H].
+void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_t li, DeviceKv* kv, int64_t T,
+                                 bool record) const {
+  const ModelConfig& c = config_;
+  const Scratch& s = scratch_;
+  void* st = stream_.handle();
+  const int64_t H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  float* x = s.x.as<float>();
+  float* normed = s.normed.as<float>();
+  cuda::rms_norm_rows(x, H, l.input_norm, eps, T, H, normed, H, st);
+  if (l.type == LayerType::kFullAttention) {
+    const DeviceAttention& a = l.attention;
+    const Matrix qkv[3] = {a.q_proj, a.k_proj, a.v_proj};
+    float* const qkv_out[3] = {s.qg.as<float>(), s.k.as<float>(), s.v.as<float>()};
+    cuda::matmul_group(qkv, qkv_out, 3, normed, T, workspace());
+    cuda::qk_norm_rope_store(s.qg.as<float>(), s.k.as<float>(), s.v.as<float>(), a.q_norm, a.k_norm, eps, T,
+                             c.num_attention_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta,
+                             seq.pos.as<int32_t>(), kv->keys.as<float>(), kv->values.as<float>(), st);
+    cuda::attention(s.qg.as<float>(), kv->keys.as<float>(), kv->values.as<float>(), T, c.num_attention_heads,
+                    c.num_kv_heads, c.head_dim, seq.pos.as<int32_t>(), s.attn_o.as<float>(), st);
+    mm(a.o_proj, s.attn_o.as<float>(), T, x, /*accumulate=*/true);  // x += o_proj(o)
+  } else {
+    const DeviceDeltaNet& n = l.delta_net;
+    DeviceDelta& d = seq.delta[static_cast<size_t>(li)];
+    const int64_t conv = c.conv_dim(), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+    const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+    const Matrix in[4] = {n.in_proj_qkv, n.in_proj_z, n.in_proj_b, n.in_proj_a};
+    float* const in_out[4] = {s.qkv.as<float>(), s.z.as<float>(), s.b.as<float>(), s.a.as<float>()};
+    cuda::matmul_group(in, in_out, 4, normed, T, workspace());
+    cuda::deltanet_conv(s.qkv.as<float>(), d.conv.as<float>(), n.conv1d, T, conv, c.linear_conv_kernel_dim,
+                        s.xconv.as<float>(), record ? d.conv_before.as<float>() : nullptr, st);
+    cuda::deltanet_prepare(s.xconv.as<float>(), s.b.as<float>(), s.a.as<float>(), n.a_log, n.dt_bias, T, hk,
+                           hv, dk, conv, s.beta.as<float>(), s.g.as<float>(), st);
+    if (record) {
+      const size_t rows = static_cast<size_t>(T);
+      stream_.device_copy(d.qkv.data(), s.qkv.data(), rows * static_cast<size_t>(conv) * sizeof(float));
+      stream_.device_copy(d.x.data(), s.xconv.data(), rows * static_cast<size_t>(conv) * sizeof(float));
+      stream_.device_copy(d.g.data(), s.g.data(), rows * static_cast<size_t>(hv) * sizeof(float));
+      stream_.device_copy(d.beta.data(), s.beta.data(), rows * static_cast<size_t>(hv) * sizeof(float));
+    }
+    cuda::delta_rule(s.xconv.as<float>(), s.g.as<float>(), s.beta.as<float>(), d.ssm.as<float>(),
+                     d.ssm.as<float>(), record ? d.ssm_before.as<float>() : nullptr, s.dn_o.as<float>(), T,
+                     hk, hv, dk, dv, conv, st);
+    cuda::gated_rms_norm(s.dn_o.as<float>(), s.z.as<float>(), n.norm, eps, T * hv, dv, st);
+    mm(n.out_proj, s.dn_o.as<float>(), T, x, /*accumulate=*/true);  // x += out_proj(o)
+  }
+  cuda::rms_norm_rows(x, H, l.post_attn_norm, eps, T, H, normed, H, st);
+  cuda::matmul_swiglu(l.gate_proj, l.up_proj, normed, T, s.gate.as<float>(), s.up.as<float>(), workspace());
+  mm(l.down_proj, s.gate.as<float>(), T, x, /*accumulate=*/true);  // x += down(silu(gate) * up)
+}
+
+// hidden = final norm of x; logits for the rows asked for (kernels only: may be captured).
+void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float* norm) const {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const Scratch& s = scratch_;
+  cuda::rms_norm_rows(s.x.as<float>(), H, norm, static_cast<float>(c.rms_norm_eps), T, H,
+                      s.hidden.as<float>(), H, stream_.handle());
+  const int64_t n_rows = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
+  if (n_rows > 0) {
+    if (static_cast<size_t>(n_rows * V) * sizeof(float) > logits_.bytes()) {  // never while capturing: T < 16
+      stream_.synchronize();
+      logits_ = Buffer(static_cast<size_t>(n_rows * V) * sizeof(float));
+    }
+    mm(lm_head_, s.hidden.as<float>() + (T - n_rows) * H, n_rows, logits_.as<float>());
+  }
+}
+
+void CudaExecutor::copy_out(int64_t T, LogitRows rows, std::vector<float>& hidden,
+                            std::vector<float>& logits) const {
+  const int64_t H = config_.hidden_size, V = config_.vocab_size;
+  const int64_t n_rows = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
+  hidden.resize(static_cast<size_t>(T * H));
+  logits.resize(static_cast<size_t>(n_rows * V));
+  // Through page-locked staging: a pageable copy is staged by the driver in small pieces, far slower.
+  const size_t hidden_bytes = hidden.size() * sizeof(float), logits_bytes = logits.size() * sizeof(float);
+  if (staging_.bytes() < hidden_bytes + logits_bytes)
+    staging_ = cuda::PinnedBuffer(hidden_bytes + logits_bytes);
+  auto* host = static_cast<char*>(staging_.data());
+  stream_.to_host(host, scratch_.hidden.data(), hidden_bytes);
+  if (n_rows > 0) stream_.to_host(host + hidden_bytes, logits_.data(), logits_bytes);
+  stream_.synchronize();
+  std::memcpy(hidden.data(), host, hidden_bytes);
+  if (n_rows > 0) std::memcpy(logits.data(), host + hidden_bytes, logits_bytes);
+}
+
+template <typename Body>
+void CudaExecutor::run_pass(CudaSequence& seq, int64_t T, LogitRows rows, bool record, Body&& body) const {
+  if (!use_graphs_ || T >= cuda::kGemmMinRows) {
+    body();
+    return;
+  }
+  CapturedPass& pass = seq.graphs[{T, rows, record}];
+  if (pass.exec == nullptr || pass.generation != scratch_generation_) {
+    cuda::Stream::destroy_graph(pass.exec);
+    pass.exec = nullptr;
+    stream_.begin_capture();
+    try {
+      body();
+    } catch (...) {
+      stream_.end_capture();  // leave the stream usable
+      throw;
+    }
+    pass.exec = stream_.end_capture();
+    pass.generation = scratch_generation_;
+  }
+  stream_.launch_graph(pass.exec);
+}
+
+void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens,
+                           LogitRows rows, std::vector<float>& hidden, std::vector<float>& logits,
+                           bool record_window) const {
+  std::lock_guard lock(mutex_);
+  auto& seq = static_cast<CudaSequence&>(sequence);
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  if (record_window && T > kMaxWindow)
+    invalid_input("a recorded (rollback) window holds at most {} tokens, got {}", kMaxWindow, T);
+  set_inputs(seq, p0, tokens);
+  run_pass(seq, T, rows, record_window, [&] {
+    cuda::embed_rows(embed_tokens_, scratch_.tokens.as<int32_t>(), T, scratch_.x.as<float>(),
+                     stream_.handle());
+    for (size_t li = 0; li < layers_.size(); ++li)
+      layer_forward(layers_[li], seq, static_cast<int64_t>(li), &seq.kv[li], T, record_window);
+    final_norm_and_logits(T, rows, final_norm_);
+  });
+  copy_out(T, rows, hidden, logits);
+}
+
+void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const {
+  if (keep == window_tokens) return;  // the state is already the one after the whole window
+  std::lock_guard lock(mutex_);
+  auto& seq = static_cast<CudaSequence&>(sequence);
+  const ModelConfig& c = config_;
+  const int64_t conv = c.conv_dim();
+  // Replay the kept tokens' recurrence from the pre-window state (bit-identical to having run only them).
+  for (int64_t li = 0; li < c.num_layers; ++li) {
+    if (c.layer_types[static_cast<size_t>(li)] != LayerType::kLinearAttention) continue;
+    DeviceDelta& d = seq.delta[static_cast<size_t>(li)];
+    cuda::delta_rule(d.x.as<float>(), d.g.as<float>(), d.beta.as<float>(), d.ssm_before.as<float>(),
+                     d.ssm.as<float>(), nullptr, scratch_.dn_o.as<float>(), keep, c.linear_num_key_heads,
+                     c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, conv,
+                     stream_.handle());
+    cuda::deltanet_conv_rollback(d.conv_before.as<float>(), d.qkv.as<float>(), keep, conv,
+                                 c.linear_conv_kernel_dim, d.conv.as<float>(), stream_.handle());
+  }
+  stream_.synchronize();
+}
+
+void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
+                               std::span<const int32_t> tokens, int64_t p0, LogitRows rows,
+                               std::vector<float>& hidden_out, std::vector<float>& logits) const {
+  if (!head_) invalid_input("the model has no MTP head");
+  std::lock_guard lock(mutex_);
+  auto& seq = static_cast<CudaSequence&>(sequence);
+  const ModelConfig& c = config_;
+  const int64_t T = static_cast<int64_t>(tokens.size()), H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  void* st = stream_.handle();
+  set_inputs(seq, p0, tokens);
+  const Scratch& s = scratch_;
+  // u = fc([norm_e(embed(x)) ; norm_h(h)])   (embedding first, hidden second: spec §6.1)
+  stream_.to_device(s.hidden.data(), hidden.data(), hidden.size_bytes());
+  run_pass(seq, T, rows, false, [&] {
+    cuda::embed_rows(embed_tokens_, s.tokens.as<int32_t>(), T, s.normed.as<float>(), st);
+    cuda::rms_norm_rows(s.normed.as<float>(), H, head_->pre_fc_norm_embedding, eps, T, H,
+                        s.joined.as<float>(), 2 * H, st);
+    cuda::rms_norm_rows(s.hidden.as<float>(), H, head_->pre_fc_norm_hidden, eps, T, H,
+                        s.joined.as<float>() + H, 2 * H, st);
+    mm(head_->fc, s.joined.as<float>(), T, s.x.as<float>());
+    layer_forward(head_->layer, seq, -1, &seq.kv[0], T, false);
+    final_norm_and_logits(T, rows, head_->norm);
+  });
+  copy_out(T, rows, hidden_out, logits);
+}
+
+}  // namespace
+
+bool cuda_compiled_in() { return true; }
+
+std::unique_ptr<DeviceExecutor> make_cuda_executor(const Model& model) {
+  const std::string why = cuda::unavailable_reason();
+  if (!why.empty()) fail(ErrorKind::kUnsupported, "--device cuda: no usable GPU ({})", why);
+  return std::make_unique<CudaExecutor>(model);
+}
+
+}  // namespace mtpx

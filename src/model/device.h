@@ -1,0 +1,50 @@
+// Where a model's forward passes run. The CPU path is the model's own code (qwen35.cpp and the block
+// files); a device executor runs the same computation on an accelerator (the CUDA one is in
+// cuda_executor.cpp). The executor holds its own copy of the weights in device memory and the per-sequence
+// states (KV caches, DeltaNet states) live there too; the host side keeps positions and windows.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/decoder_layer.h"
+#include "model/state.h"
+
+namespace mtpx {
+
+class Model;
+struct ForwardResult;
+
+class DeviceExecutor {
+ public:
+  virtual ~DeviceExecutor() = default;
+  virtual std::string description() const = 0;  // "cuda: NVIDIA H200, sm_90, 139.8 GiB"
+  virtual int64_t weight_bytes() const = 0;     // device memory holding weights
+
+  // A trunk sequence (KV caches + DeltaNet states) and an MTP-head sequence (its KV cache).
+  virtual std::unique_ptr<DeviceSequence> new_sequence(int64_t capacity) const = 0;
+  virtual std::unique_ptr<DeviceSequence> new_mtp_sequence(int64_t capacity) const = 0;
+
+  // As Model::forward, at positions p0.. (validated by the caller). `record_window` keeps what
+  // rollback needs.
+  virtual void forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens, LogitRows rows,
+                       std::vector<float>& hidden, std::vector<float>& logits, bool record_window) const = 0;
+  // Cuts the last recorded window (of window_tokens) back to its first `keep` tokens.
+  virtual void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const = 0;
+  // As mtp_forward (model/mtp_head.h).
+  virtual void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
+                           std::span<const int32_t> tokens, int64_t p0, LogitRows rows,
+                           std::vector<float>& hidden_out, std::vector<float>& logits) const = 0;
+};
+
+// The CUDA executor for `model` (weights uploaded now). Throws mtpx::Error (kUnsupported) when mtpx was
+// built without CUDA, no GPU is usable, or the model has something the CUDA kernels do not handle.
+std::unique_ptr<DeviceExecutor> make_cuda_executor(const Model& model);
+
+// True when this build has the CUDA backend compiled in.
+bool cuda_compiled_in();
+
+}  // namespace mtpx
