@@ -112,7 +112,9 @@ TEST(Scheduler, CancelledAndStoppedJobsFreeTheirSlot) {
   const GenerationOutcome cancelled = wait(*running);
   EXPECT_EQ(cancelled.finish_reason, "cancelled");
   EXPECT_LT(cancelled.stats.generated_tokens, 3000);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  // Cancellation is seen between steps: well under the time the remaining tokens would take (a loose
+  // bound, so a loaded CI machine does not fail it).
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
 
   // A stop string ends generation, is not shown, and the slot takes the next job.
   GenerationRequest probe;
