@@ -102,10 +102,14 @@ json read_json_file(const std::filesystem::path& path) {
   if (!in) fail(ErrorKind::kNotFound, "cannot open '{}'", path.string());
   std::stringstream buffer;
   buffer << in.rdbuf();
+  return parse_json_text(buffer.str(), path.string());
+}
+
+json parse_json_text(std::string_view text, const std::string& source) {
   try {
-    return json::parse(buffer.str());
+    return json::parse(text);
   } catch (const json::parse_error& e) {
-    invalid_input("'{}' is not valid JSON: {}", path.string(), e.what());
+    invalid_input("'{}' is not valid JSON: {}", source, e.what());
   }
 }
 

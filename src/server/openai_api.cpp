@@ -195,6 +195,14 @@ std::string random_hex(size_t n) {
 
 }  // namespace
 
+OrderedJson parse_request_body(std::string_view body) {
+  try {
+    return OrderedJson::parse(body);
+  } catch (const nlohmann::json::parse_error& e) {
+    invalid_input("the request body is not valid JSON: {}", e.what());
+  }
+}
+
 ChatRequest parse_chat_request(const OrderedJson& body, const ServingDefaults& defaults) {
   if (!body.is_object()) invalid_input("the request body must be a JSON object");
   check_model(body, defaults);

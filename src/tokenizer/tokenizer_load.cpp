@@ -57,7 +57,7 @@ class Loader {
     }
   }
 
-  void load(TokenizerData& impl);
+  void load(std::string_view text, TokenizerData& impl);
 
  private:
   void load_model(const json& model, TokenizerData& impl);
@@ -77,14 +77,10 @@ class Loader {
   std::filesystem::path path_;
 };
 
-void Loader::load(TokenizerData& impl) {
-  std::ifstream in(path_, std::ios::binary);
-  if (!in) invalid_input("cannot open tokenizer file {}: {}", path_.string(), std::strerror(errno));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
+void Loader::load(std::string_view text, TokenizerData& impl) {
   json root;
   try {
-    root = json::parse(buffer.str());
+    root = json::parse(text);
   } catch (const json::exception& e) {
     invalid_input("tokenizer file {}: not valid JSON: {}", path_.string(), e.what());
   }
@@ -344,8 +340,16 @@ void Loader::check_decoder(const json& node, std::string_view field) {
 }  // namespace
 
 Tokenizer Tokenizer::from_file(const std::filesystem::path& tokenizer_json) {
+  std::ifstream in(tokenizer_json, std::ios::binary);
+  if (!in) invalid_input("cannot open tokenizer file {}: {}", tokenizer_json.string(), std::strerror(errno));
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  return from_json(buffer.str(), tokenizer_json);
+}
+
+Tokenizer Tokenizer::from_json(std::string_view json_text, const std::filesystem::path& source) {
   auto impl = std::make_unique<Impl>();
-  Loader(tokenizer_json).load(*impl);
+  Loader(source).load(json_text, *impl);
   return Tokenizer(std::move(impl));
 }
 

@@ -756,13 +756,13 @@ Dict global_functions() {
   auto make_dict = [](const CallArgs& args) {
     Dict attributes;
     if (!args.positional.empty() && args.positional[0].is_dict()) attributes = args.positional[0].as_dict();
-    for (const auto& [k, v] : args.keyword) {
+    for (const auto& keyword : args.keyword) {  // not a structured binding: clang 14 cannot capture one
       auto it = std::find_if(attributes.begin(), attributes.end(),
-                             [&](const auto& item) { return item.first == k; });
+                             [&](const auto& item) { return item.first == keyword.first; });
       if (it != attributes.end()) {
-        it->second = v;
+        it->second = keyword.second;
       } else {
-        attributes.emplace_back(k, v);
+        attributes.push_back(keyword);
       }
     }
     return attributes;

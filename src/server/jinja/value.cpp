@@ -408,9 +408,10 @@ bool equal(const Value& a, const Value& b) {
     case K::kDict: {
       const Dict &x = a.as_dict(), &y = b.as_dict();
       if (x.size() != y.size()) return false;
-      for (const auto& [key, value] : x) {
-        auto it = std::find_if(y.begin(), y.end(), [&](const auto& item) { return item.first == key; });
-        if (it == y.end() || !equal(value, it->second)) return false;
+      for (const auto& entry : x) {  // not a structured binding: clang 14 cannot capture one
+        auto it =
+            std::find_if(y.begin(), y.end(), [&](const auto& item) { return item.first == entry.first; });
+        if (it == y.end() || !equal(entry.second, it->second)) return false;
       }
       return true;
     }
