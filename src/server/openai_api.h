@@ -55,7 +55,9 @@ struct CompletionRequest {
   std::vector<int32_t> prompt_ids;
 };
 
-// The body of a POST as JSON; throws mtpx::Error (kInvalidInput) when it is not valid JSON.
+// The body of a POST as JSON; throws mtpx::Error (kInvalidInput) when it is not valid JSON or nests
+// objects and arrays deeper than kMaxBodyNesting.
+inline constexpr int kMaxBodyNesting = 64;
 OrderedJson parse_request_body(std::string_view body);
 
 // Validate a body; throw mtpx::Error: kInvalidInput (400) naming the field, kNotFound (404) for another

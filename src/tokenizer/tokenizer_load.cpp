@@ -20,6 +20,10 @@ using namespace tokenizer_internal;
 
 namespace {
 
+// Ids index tables of every id up to the largest: a bound keeps one absurd id from allocating gigabytes.
+// The same bound as config.json's vocab_size (4M; Qwen3.5 has 248k).
+constexpr int64_t kMaxTokenId = int64_t{1} << 22;
+
 // The GPT-2 pre-tokenization regex of ByteLevel(use_regex=true).
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
@@ -141,8 +145,8 @@ void Loader::load_model(const json& model, TokenizerData& impl) {
   vocab.reserve(vocab_it->size());
   int64_t max_id = -1;
   for (const auto& [piece, id] : vocab_it->items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= (int64_t{1} << 30)) {
-      fail("model.vocab", "\"{}\" has id {}, expected a non-negative integer", piece, id.dump());
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= kMaxTokenId) {
+      fail("model.vocab", "\"{}\" has id {}, expected an integer in [0, {})", piece, id.dump(), kMaxTokenId);
     }
     vocab.emplace(piece, static_cast<int32_t>(id.get<int64_t>()));
     max_id = std::max(max_id, id.get<int64_t>());
@@ -222,8 +226,8 @@ void Loader::load_added_tokens(const json& root, TokenizerData& impl) {
     AddedToken token;
     auto id = entry.find("id");
     if (id == entry.end() || !id->is_number_integer() || id->get<int64_t>() < 0 ||
-        id->get<int64_t>() >= (int64_t{1} << 30)) {
-      fail(field + ".id", "missing or not a non-negative integer");
+        id->get<int64_t>() >= kMaxTokenId) {
+      fail(field + ".id", "missing or not an integer in [0, {})", kMaxTokenId);
     }
     token.id = static_cast<int32_t>(id->get<int64_t>());
     auto content = entry.find("content");
