@@ -1,6 +1,7 @@
 #include "io/model_config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -33,10 +34,14 @@ class Reader {
       invalid_input("{}: missing key '{}'", source_, key);
     }
     const json& v = object_.at(key);
-    if (!v.is_number_integer() &&
-        !(v.is_number_float() && v.get<double>() == static_cast<int64_t>(v.get<double>())))
+    // Some configs write integers as floats (4096.0): those with an integral value count.
+    if (!v.is_number_integer() && !(v.is_number_float() && std::trunc(v.get<double>()) == v.get<double>()))
       invalid_input("{}: '{}' must be an integer, got {}", source_, key, v.dump());
-    int64_t x = v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(v.get<double>());
+    // Range first, as a double: a value beyond int64 (1e20, 2^64-1) must not reach the conversion.
+    const double approx = v.get<double>();
+    if (!(approx >= static_cast<double>(lo) && approx <= static_cast<double>(hi)))
+      invalid_input("{}: '{}' = {} is out of range [{}, {}]", source_, key, v.dump(), lo, hi);
+    const int64_t x = v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(approx);
     if (x < lo || x > hi) invalid_input("{}: '{}' = {} is out of range [{}, {}]", source_, key, x, lo, hi);
     return x;
   }
@@ -102,10 +107,14 @@ json read_json_file(const std::filesystem::path& path) {
   if (!in) fail(ErrorKind::kNotFound, "cannot open '{}'", path.string());
   std::stringstream buffer;
   buffer << in.rdbuf();
+  return parse_json_text(buffer.str(), path.string());
+}
+
+json parse_json_text(std::string_view text, const std::string& source) {
   try {
-    return json::parse(buffer.str());
-  } catch (const json::parse_error& e) {
-    invalid_input("'{}' is not valid JSON: {}", path.string(), e.what());
+    return json::parse(text);
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number such as 1e400
+    invalid_input("'{}' is not valid JSON: {}", source, e.what());
   }
 }
 

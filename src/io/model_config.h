@@ -7,6 +7,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace mtpx {
@@ -74,5 +75,7 @@ GenerationConfig load_generation_config(const std::filesystem::path& generation_
 
 // Reads a whole JSON file; errors name the file.
 nlohmann::json read_json_file(const std::filesystem::path& path);
+// The same for text already read; `source` names it in errors.
+nlohmann::json parse_json_text(std::string_view text, const std::string& source);
 
 }  // namespace mtpx

@@ -230,14 +230,14 @@ void MappedFile::release_pages() const {
 // ---------------------------------------------------------------------------------------------------
 // SafetensorsFile
 
-SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
-    : file_(std::make_unique<MappedFile>(path)) {
-  const size_t file_size = file_->size();
+SafetensorsTable parse_safetensors(std::span<const std::byte> bytes, const std::filesystem::path& path) {
+  SafetensorsTable table;
+  const size_t file_size = bytes.size();
   if (file_size < 8) {
     bad_file(path, fmt::format("file is {} bytes, shorter than the 8-byte header length", file_size));
   }
   uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(file_->data()[i]);
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[i]);
   if (header_len > kMaxHeaderBytes) {
     bad_file(path,
              fmt::format("header length {} exceeds the limit of {} bytes", header_len, kMaxHeaderBytes));
@@ -246,13 +246,13 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
     bad_file(path, fmt::format("header length {} exceeds the {} bytes after the length field", header_len,
                                file_size - 8));
   }
-  const auto* header_begin = reinterpret_cast<const char*>(file_->data() + 8);
+  const auto* header_begin = reinterpret_cast<const char*>(bytes.data() + 8);
   const json header =
       parse_json_strict(header_begin, header_begin + header_len,
                         fmt::format("invalid safetensors file '{}': header", printable_path(path)));
   if (!header.is_object()) bad_file(path, "header is not a JSON object");
 
-  const std::byte* data_section = file_->data() + 8 + header_len;
+  const std::byte* data_section = bytes.data() + 8 + header_len;
   const uint64_t data_size = file_size - 8 - header_len;
 
   struct Range {
@@ -268,7 +268,7 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
         if (!value.is_string()) {
           bad_file(path, fmt::format("__metadata__ value for '{}' is not a string", printable(key)));
         }
-        metadata_.emplace(key, value.get<std::string>());
+        table.metadata.emplace(key, value.get<std::string>());
       }
       continue;
     }
@@ -326,7 +326,7 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
     }
     view.data = data_section + begin;
     view.nbytes = static_cast<size_t>(nbytes);
-    auto [it, inserted] = tensors_.emplace(name, std::move(view));
+    auto [it, inserted] = table.tensors.emplace(name, std::move(view));
     if (!inserted) bad_tensor(path, name, "duplicate tensor name");  // unreachable: duplicates rejected above
     if (begin != end) ranges.push_back({begin, end, &it->first});
   }
@@ -342,6 +342,14 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
                       printable(*ranges[i - 1].name), ranges[i - 1].begin, ranges[i - 1].end));
     }
   }
+  return table;
+}
+
+SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
+    : file_(std::make_unique<MappedFile>(path)) {
+  SafetensorsTable table = parse_safetensors({file_->data(), file_->size()}, path);
+  tensors_ = std::move(table.tensors);
+  metadata_ = std::move(table.metadata);
 }
 
 const TensorView* SafetensorsFile::find(std::string_view name) const {
@@ -351,6 +359,32 @@ const TensorView* SafetensorsFile::find(std::string_view name) const {
 
 // ---------------------------------------------------------------------------------------------------
 // TensorStore
+
+std::map<std::string, std::vector<std::string>> parse_safetensors_index(
+    std::string_view text, const std::filesystem::path& index_path) {
+  const std::string describe = fmt::format("invalid index '{}'", printable_path(index_path));
+  const json index = parse_json_strict(text.data(), text.data() + text.size(), describe);
+  if (!index.is_object()) invalid_input("{}: not a JSON object", describe);
+  const auto map_it = index.find("weight_map");
+  if (map_it == index.end() || !map_it->is_object()) {
+    invalid_input("{}: \"weight_map\" missing or not an object", describe);
+  }
+  if (map_it->empty()) invalid_input("{}: \"weight_map\" is empty", describe);
+
+  std::map<std::string, std::vector<std::string>> by_shard;
+  for (const auto& [name, shard_json] : map_it->items()) {
+    if (!shard_json.is_string()) {
+      invalid_input("{}: shard of tensor '{}' is not a string", describe, printable(name));
+    }
+    const auto& shard = shard_json.get_ref<const std::string&>();
+    if (!is_plain_file_name(shard)) {
+      invalid_input("{}: shard name '{}' (tensor '{}') is not a plain file name in the directory", describe,
+                    printable(shard), printable(name));
+    }
+    by_shard[shard].push_back(name);
+  }
+  return by_shard;
+}
 
 TensorStore TensorStore::open_directory(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
@@ -383,27 +417,7 @@ TensorStore TensorStore::open_directory(const std::filesystem::path& dir) {
   if (fs::exists(index_path, ec)) {
     const MappedFile index_file(index_path);
     const auto* text = reinterpret_cast<const char*>(index_file.data());
-    const std::string describe = fmt::format("invalid index '{}'", printable_path(index_path));
-    const json index = parse_json_strict(text, text + index_file.size(), describe);
-    if (!index.is_object()) invalid_input("{}: not a JSON object", describe);
-    const auto map_it = index.find("weight_map");
-    if (map_it == index.end() || !map_it->is_object()) {
-      invalid_input("{}: \"weight_map\" missing or not an object", describe);
-    }
-    if (map_it->empty()) invalid_input("{}: \"weight_map\" is empty", describe);
-
-    std::map<std::string, std::vector<std::string>> by_shard;  // shard -> tensor names it must hold
-    for (const auto& [name, shard_json] : map_it->items()) {
-      if (!shard_json.is_string()) {
-        invalid_input("{}: shard of tensor '{}' is not a string", describe, printable(name));
-      }
-      const auto& shard = shard_json.get_ref<const std::string&>();
-      if (!is_plain_file_name(shard)) {
-        invalid_input("{}: shard name '{}' (tensor '{}') is not a plain file name in the directory", describe,
-                      printable(shard), printable(name));
-      }
-      by_shard[shard].push_back(name);
-    }
+    const auto by_shard = parse_safetensors_index({text, index_file.size()}, index_path);
     for (const auto& [shard, names] : by_shard) {
       if (!fs::is_regular_file(dir / shard, ec)) {
         invalid_input("shard '{}' listed in {} does not exist in '{}'", printable(shard), kIndexName,

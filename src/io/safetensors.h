@@ -53,11 +53,18 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// One safetensors file, validated when opened: header length bounded (<= 100 MiB) and inside the file,
-// header is a JSON object, every entry has a known dtype, a shape of non-negative dims whose element
-// count times the dtype size equals end-begin (no overflow), offsets inside the data section, no two
-// tensors overlapping, no duplicate names. Any violation throws mtpx::Error (kInvalidInput) with a
-// one-line message naming the file and the tensor.
+// The tensor table of a safetensors file's bytes, validated: header length bounded (<= 100 MiB) and
+// inside the file, header is a JSON object, every entry has a known dtype, a shape of non-negative dims
+// whose element count times the dtype size equals end-begin (no overflow), offsets inside the data
+// section, no two tensors overlapping, no duplicate names. Any violation throws mtpx::Error
+// (kInvalidInput) with a one-line message naming `file` and the tensor. The views point into `bytes`.
+struct SafetensorsTable {
+  std::map<std::string, TensorView> tensors;
+  std::map<std::string, std::string> metadata;
+};
+SafetensorsTable parse_safetensors(std::span<const std::byte> bytes, const std::filesystem::path& file);
+
+// One safetensors file, memory-mapped and validated by parse_safetensors when opened.
 class SafetensorsFile {
  public:
   explicit SafetensorsFile(const std::filesystem::path& path);
@@ -95,6 +102,12 @@ class TensorStore {
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorView*, std::less<>> index_;
 };
+
+// The weight_map of a model.safetensors.index.json text ({"weight_map": {tensor: shard file}}), grouped
+// as shard -> the tensor names it must hold. Shard names must be plain file names (no path separators,
+// no leading '.'). Throws mtpx::Error (kInvalidInput) naming `index_path` for anything else.
+std::map<std::string, std::vector<std::string>> parse_safetensors_index(
+    std::string_view text, const std::filesystem::path& index_path);
 
 // A tensor to write: raw little-endian bytes of `dtype` with `shape`.
 struct TensorToWrite {

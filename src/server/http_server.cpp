@@ -130,14 +130,6 @@ struct Server::State {
     };
   }
 
-  OrderedJson parse_body(const httplib::Request& req) const {
-    try {
-      return OrderedJson::parse(req.body);
-    } catch (const nlohmann::json::parse_error& e) {
-      invalid_input("the request body is not valid JSON: {}", e.what());
-    }
-  }
-
   std::shared_ptr<GenerationJob> submit(GenerationRequest request, httplib::Response& res) {
     auto job = std::make_shared<GenerationJob>(std::move(request));
     if (!scheduler->submit(job)) {
@@ -151,7 +143,7 @@ struct Server::State {
   }
 
   void handle_chat(const httplib::Request& req, httplib::Response& res) {
-    ChatRequest chat = parse_chat_request(parse_body(req), defaults);
+    ChatRequest chat = parse_chat_request(parse_request_body(req.body), defaults);
     if (!chat_template)
       fail(ErrorKind::kUnsupported, "the model '{}' has no usable chat template ({}): use /v1/completions",
            defaults.model_id, chat_template_problem);
@@ -171,7 +163,7 @@ struct Server::State {
   }
 
   void handle_completion(const httplib::Request& req, httplib::Response& res) {
-    CompletionRequest completion = parse_completion_request(parse_body(req), defaults);
+    CompletionRequest completion = parse_completion_request(parse_request_body(req.body), defaults);
     std::vector<int32_t> prompt =
         completion.prompt_text ? tokenizer->encode(*completion.prompt_text) : completion.prompt_ids;
     auto job = submit(make_generation_request(std::move(prompt), completion.sampling, defaults,

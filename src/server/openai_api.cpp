@@ -195,6 +195,24 @@ std::string random_hex(size_t n) {
 
 }  // namespace
 
+OrderedJson parse_request_body(std::string_view body) {
+  // Copying, comparing and printing JSON recurse once per level, and a body of 8 MiB can nest millions
+  // deep: deeper than any real request (tool schemas take a handful of levels) is refused while parsing.
+  const OrderedJson::parser_callback_t limit_nesting = [](int depth, OrderedJson::parse_event_t event,
+                                                          OrderedJson&) {
+    if ((event == OrderedJson::parse_event_t::object_start ||
+         event == OrderedJson::parse_event_t::array_start) &&
+        depth >= kMaxBodyNesting)
+      invalid_input("the request body nests deeper than {} levels", kMaxBodyNesting);
+    return true;
+  };
+  try {
+    return OrderedJson::parse(body, limit_nesting);
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number such as 1e400
+    invalid_input("the request body is not valid JSON: {}", e.what());
+  }
+}
+
 ChatRequest parse_chat_request(const OrderedJson& body, const ServingDefaults& defaults) {
   if (!body.is_object()) invalid_input("the request body must be a JSON object");
   check_model(body, defaults);

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "io/model_config.h"
@@ -53,6 +54,11 @@ struct CompletionRequest {
   std::optional<std::string> prompt_text;  // or
   std::vector<int32_t> prompt_ids;
 };
+
+// The body of a POST as JSON; throws mtpx::Error (kInvalidInput) when it is not valid JSON or nests
+// objects and arrays deeper than kMaxBodyNesting.
+inline constexpr int kMaxBodyNesting = 64;
+OrderedJson parse_request_body(std::string_view body);
 
 // Validate a body; throw mtpx::Error: kInvalidInput (400) naming the field, kNotFound (404) for another
 // model, kUnsupported (400) for valid OpenAI features mtpx does not do (n > 1, logprobs, ...).

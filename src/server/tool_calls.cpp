@@ -37,7 +37,10 @@ std::optional<ToolCall> parse_json_call(std::string_view body) {
   call.name = json["name"];
   const auto arguments = json.contains("arguments") ? json["arguments"] : nlohmann::ordered_json::object();
   if (arguments.is_string()) {
+    // Passed on as written, but only when it holds an object: tool_calls promise JSON object text.
     call.arguments = arguments.get<std::string>();
+    if (!nlohmann::ordered_json::parse(call.arguments, nullptr, /*allow_exceptions=*/false).is_object())
+      return std::nullopt;
   } else if (arguments.is_object()) {
     call.arguments = arguments.dump();
   } else {
@@ -75,7 +78,8 @@ std::optional<ToolCall> parse_xml_call(std::string_view body) {
     arguments[key] = parsed.is_discarded() ? nlohmann::ordered_json(std::string(value)) : parsed;
     pos = value_end + kParameterEnd.size();
   }
-  call.arguments = arguments.dump();
+  // Keys and values are raw model text: bytes that are not UTF-8 become U+FFFD instead of a throw.
+  call.arguments = arguments.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   call.id = new_call_id();
   return call;
 }

@@ -29,7 +29,8 @@ BpeModel::BpeModel(std::unordered_map<std::string, int32_t> vocab,
     : vocab_(std::move(vocab)), options_(options) {
   merges_.reserve(merges.size());
   for (size_t rank = 0; rank < merges.size(); ++rank) {
-    const auto& [left, right] = merges[rank];
+    const std::string& left = merges[rank].first;  // not a structured binding: clang 14 cannot capture one
+    const std::string& right = merges[rank].second;
     const auto find = [&](const std::string& piece) {
       auto it = vocab_.find(piece);
       if (it == vocab_.end()) {

@@ -18,6 +18,8 @@ class Tokenizer {
  public:
   // Throws mtpx::Error (kInvalidInput) naming the file and the problem for anything it cannot use.
   static Tokenizer from_file(const std::filesystem::path& tokenizer_json);
+  // The same from the file's text; `source` names it in error messages.
+  static Tokenizer from_json(std::string_view json_text, const std::filesystem::path& source);
   ~Tokenizer();
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;

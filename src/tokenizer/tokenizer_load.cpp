@@ -20,6 +20,10 @@ using namespace tokenizer_internal;
 
 namespace {
 
+// Ids index tables of every id up to the largest: a bound keeps one absurd id from allocating gigabytes.
+// The same bound as config.json's vocab_size (4M; Qwen3.5 has 248k).
+constexpr int64_t kMaxTokenId = int64_t{1} << 22;
+
 // The GPT-2 pre-tokenization regex of ByteLevel(use_regex=true).
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
@@ -57,7 +61,7 @@ class Loader {
     }
   }
 
-  void load(TokenizerData& impl);
+  void load(std::string_view text, TokenizerData& impl);
 
  private:
   void load_model(const json& model, TokenizerData& impl);
@@ -77,14 +81,10 @@ class Loader {
   std::filesystem::path path_;
 };
 
-void Loader::load(TokenizerData& impl) {
-  std::ifstream in(path_, std::ios::binary);
-  if (!in) invalid_input("cannot open tokenizer file {}: {}", path_.string(), std::strerror(errno));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
+void Loader::load(std::string_view text, TokenizerData& impl) {
   json root;
   try {
-    root = json::parse(buffer.str());
+    root = json::parse(text);
   } catch (const json::exception& e) {
     invalid_input("tokenizer file {}: not valid JSON: {}", path_.string(), e.what());
   }
@@ -145,8 +145,8 @@ void Loader::load_model(const json& model, TokenizerData& impl) {
   vocab.reserve(vocab_it->size());
   int64_t max_id = -1;
   for (const auto& [piece, id] : vocab_it->items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= (int64_t{1} << 30)) {
-      fail("model.vocab", "\"{}\" has id {}, expected a non-negative integer", piece, id.dump());
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= kMaxTokenId) {
+      fail("model.vocab", "\"{}\" has id {}, expected an integer in [0, {})", piece, id.dump(), kMaxTokenId);
     }
     vocab.emplace(piece, static_cast<int32_t>(id.get<int64_t>()));
     max_id = std::max(max_id, id.get<int64_t>());
@@ -226,8 +226,8 @@ void Loader::load_added_tokens(const json& root, TokenizerData& impl) {
     AddedToken token;
     auto id = entry.find("id");
     if (id == entry.end() || !id->is_number_integer() || id->get<int64_t>() < 0 ||
-        id->get<int64_t>() >= (int64_t{1} << 30)) {
-      fail(field + ".id", "missing or not a non-negative integer");
+        id->get<int64_t>() >= kMaxTokenId) {
+      fail(field + ".id", "missing or not an integer in [0, {})", kMaxTokenId);
     }
     token.id = static_cast<int32_t>(id->get<int64_t>());
     auto content = entry.find("content");
@@ -344,8 +344,16 @@ void Loader::check_decoder(const json& node, std::string_view field) {
 }  // namespace
 
 Tokenizer Tokenizer::from_file(const std::filesystem::path& tokenizer_json) {
+  std::ifstream in(tokenizer_json, std::ios::binary);
+  if (!in) invalid_input("cannot open tokenizer file {}: {}", tokenizer_json.string(), std::strerror(errno));
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  return from_json(buffer.str(), tokenizer_json);
+}
+
+Tokenizer Tokenizer::from_json(std::string_view json_text, const std::filesystem::path& source) {
   auto impl = std::make_unique<Impl>();
-  Loader(tokenizer_json).load(*impl);
+  Loader(source).load(json_text, *impl);
   return Tokenizer(std::move(impl));
 }
 

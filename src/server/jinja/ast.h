@@ -15,6 +15,7 @@ class Context;
 
 struct Expr {
   int line = 0;
+  int depth = 1;  // levels of this subtree; the parser keeps it within kMaxNesting (limits.h)
   virtual ~Expr() = default;
   virtual Value eval(Context& context) const = 0;
 };

@@ -4,9 +4,12 @@
 #include <utf8proc.h>
 
 #include <algorithm>
+#include <charconv>
+#include <climits>
 #include <cmath>
 #include <ctime>
 
+#include "server/jinja/limits.h"
 #include "util/error.h"
 
 namespace mtpx::jinja {
@@ -179,22 +182,26 @@ std::string replace_all(const std::string& s, const std::string& old, const std:
     std::vector<std::string> cps = code_points(s);
     for (const std::string& ch : cps) {
       if (count < 0 || done < count) {
+        charge_bytes(replacement.size());
         out += replacement;
         ++done;
       }
       out += ch;
     }
     if (count < 0 || done < count) out += replacement;
+    charge_bytes(s.size() + replacement.size());
     return out;
   }
   size_t pos = 0;
   while (count < 0 || done < count) {
     const size_t hit = s.find(old, pos);
     if (hit == std::string::npos) break;
+    charge_bytes(hit - pos + replacement.size());  // as it grows: a replacement may multiply the size
     out += s.substr(pos, hit - pos) + replacement;
     pos = hit + old.size();
     ++done;
   }
+  charge_bytes(s.size() - pos);
   return out + s.substr(pos);
 }
 
@@ -289,7 +296,11 @@ Value string_method(const std::string& s, const std::string& name) {
     return bind([](const std::string& self, const CallArgs& a) {
       std::string out;
       const List items = iterate(required(a, 0, "iterable", "join"));
-      for (size_t i = 0; i < items.size(); ++i) out += (i ? self : "") + expect_string(items[i], "join");
+      for (size_t i = 0; i < items.size(); ++i) {
+        const std::string& item = expect_string(items[i], "join");
+        charge_bytes((i ? self.size() : 0) + item.size());
+        out += (i ? self : "") + item;
+      }
       return Value(out);
     });
   if (name == "isdigit" || name == "isalpha" || name == "isalnum" || name == "isspace" || name == "islower" ||
@@ -348,7 +359,9 @@ Value tojson(const Value& operand, const CallArgs& args) {
   format.ensure_ascii = optional(args, 0, "ensure_ascii", Value(false)).truthy();
   const Value indent = optional(args, 1, "indent", Value::none());
   if (!indent.is_none()) {
-    format.indent = static_cast<int>(indent.as_int());
+    // Python indents by max(indent, 0) spaces; a few hundred is already unreadable.
+    if (indent.as_int() > 1000) type_error(fmt::format("tojson indent {} is too large", indent.as_int()));
+    format.indent = static_cast<int>(std::max<int64_t>(indent.as_int(), 0));
     format.item_separator = ",";
   }
   const Value separators = optional(args, 2, "separators", Value::none());
@@ -357,7 +370,9 @@ Value tojson(const Value& operand, const CallArgs& args) {
     format.key_separator = expect_string(separators.as_list()[1], "tojson separators");
   }
   format.sort_keys = optional(args, 3, "sort_keys", Value(false)).truthy();
-  return Value(operand.to_json(format));
+  std::string json = operand.to_json(format);
+  charge_bytes(json.size());
+  return Value(std::move(json));
 }
 
 Value attribute_path(const Value& object, const std::string& path) {
@@ -369,7 +384,11 @@ Value attribute_path(const Value& object, const std::string& path) {
     const std::string part = path.substr(pos, dot - pos);
     const bool numeric =
         !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
-    v = numeric ? get_item(v, Value(static_cast<int64_t>(std::stoll(part)))) : get_item(v, Value(part));
+    int64_t index = 0;
+    if (numeric && std::from_chars(part.data(), part.data() + part.size(), index).ec != std::errc()) {
+      return Value();  // an index beyond 64 bits is past the end of any list
+    }
+    v = numeric ? get_item(v, Value(index)) : get_item(v, Value(part));
     pos = dot + 1;
   }
   return v;
@@ -430,8 +449,10 @@ List iterate(const Value& iterable) {
     case Value::Kind::kUndefined:
       return {};
     case Value::Kind::kList:
+      charge_work(iterable.as_list().size());
       return iterable.as_list();
     case Value::Kind::kDict: {
+      charge_work(iterable.as_dict().size());
       List keys;
       for (const auto& item : iterable.as_dict()) keys.emplace_back(item.first);
       return keys;
@@ -447,8 +468,11 @@ List iterate(const Value& iterable) {
 }
 
 bool contains(const Value& haystack, const Value& needle) {
-  if (haystack.is_string())
+  if (haystack.is_string()) {
+    charge_work(haystack.as_string().size() / 32 + 1);
     return haystack.as_string().find(expect_string(needle, "'in <string>'")) != std::string::npos;
+  }
+  if (haystack.is_list()) charge_work(haystack.as_list().size());
   if (haystack.is_list())
     return std::any_of(haystack.as_list().begin(), haystack.as_list().end(),
                        [&](const Value& item) { return equal(item, needle); });
@@ -489,6 +513,7 @@ Value get_attribute(const Value& object, const std::string& name) {
       const Value& x = required(args, 0, "value", index ? "index" : "count");
       int64_t n = 0;
       const List& items = object.as_list();
+      charge_work(items.size());
       for (size_t i = 0; i < items.size(); ++i) {
         if (!equal(items[i], x)) continue;
         if (index) return Value(static_cast<int64_t>(i));
@@ -527,12 +552,13 @@ Value slice(const Value& object, const Value& start_v, const Value& stop_v, cons
   const int64_t stop = bound(stop_v, step > 0 ? n : -1);
   List out_items;
   std::string out_string;
-  for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+  for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
     if (object.is_list()) {
       out_items.push_back(items[static_cast<size_t>(i)]);
     } else {
       out_string += chars[static_cast<size_t>(i)];
     }
+    if (__builtin_add_overflow(i, step, &i)) break;  // a huge step leaves the range at once
   }
   return object.is_list() ? Value(std::move(out_items)) : Value(std::move(out_string));
 }
@@ -569,9 +595,12 @@ Value apply_filter(const std::string& name, const Value& operand, const CallArgs
     const Value attribute = optional(args, 1, "attribute", Value::none());
     std::string out;
     const List items = iterate(operand);
-    for (size_t i = 0; i < items.size(); ++i)
-      out += (i ? separator : "") +
-             (attribute.is_none() ? items[i] : attribute_path(items[i], attribute.str())).str();
+    for (size_t i = 0; i < items.size(); ++i) {
+      const std::string item =
+          (attribute.is_none() ? items[i] : attribute_path(items[i], attribute.str())).str();
+      charge_bytes((i ? separator.size() : 0) + item.size());
+      out += (i ? separator : "") + item;
+    }
     return Value(out);
   }
   if (name == "list") return Value(iterate(operand));
@@ -617,16 +646,22 @@ Value apply_filter(const std::string& name, const Value& operand, const CallArgs
     return select_items(operand, args, name == "selectattr", true);
   if (name == "unique") {
     List out;
-    for (const Value& item : iterate(operand))
+    for (const Value& item : iterate(operand)) {
+      charge_work(out.size());  // quadratic: a long list is stopped by the budget
       if (std::none_of(out.begin(), out.end(), [&](const Value& x) { return equal(x, item); }))
         out.push_back(item);
+    }
     return Value(std::move(out));
   }
   if (name == "int") {
-    if (operand.is_number())
-      return Value(operand.kind() == Value::Kind::kFloat
-                       ? static_cast<int64_t>(std::trunc(operand.as_float()))
-                       : operand.as_int());
+    if (operand.kind() == Value::Kind::kFloat) {
+      // Python's int() is unbounded; here a float outside 64 bits (or nan) has no integer value.
+      const double truncated = std::trunc(operand.as_float());
+      if (!(truncated >= -9.2233720368547758e18 && truncated < 9.2233720368547758e18))
+        type_error(fmt::format("cannot convert float {} to a 64-bit integer", python_float_repr(truncated)));
+      return Value(static_cast<int64_t>(truncated));
+    }
+    if (operand.is_number()) return Value(operand.as_int());
     if (operand.is_string()) {
       try {
         return Value(static_cast<int64_t>(std::stoll(operand.as_string())));
@@ -647,7 +682,10 @@ Value apply_filter(const std::string& name, const Value& operand, const CallArgs
   }
   if (name == "abs") {
     if (operand.kind() == Value::Kind::kFloat) return Value(std::fabs(operand.as_float()));
-    if (operand.is_number()) return Value(std::abs(operand.as_int()));
+    if (operand.is_number()) {
+      if (operand.as_int() == INT64_MIN) type_error("integer overflow in abs()");
+      return Value(std::abs(operand.as_int()));
+    }
     type_error(fmt::format("bad operand type for abs(): '{}'", operand.type_name()));
   }
   if (name == "round") {
@@ -664,6 +702,8 @@ Value apply_filter(const std::string& name, const Value& operand, const CallArgs
   if (name == "escape" || name == "e" || name == "forceescape") return Value(html_escape(operand.str()));
   if (name == "indent") {
     const Value width_v = optional(args, 0, "width", Value(4));
+    if (!width_v.is_string() && (width_v.as_int() < 0 || width_v.as_int() > 1000))
+      type_error(fmt::format("indent width {} is out of range [0, 1000]", width_v.as_int()));
     const std::string pad =
         width_v.is_string() ? width_v.as_string() : std::string(static_cast<size_t>(width_v.as_int()), ' ');
     const bool first = optional(args, 1, "first", Value(false)).truthy();
@@ -675,6 +715,7 @@ Value apply_filter(const std::string& name, const Value& operand, const CallArgs
       if (i) out += "\n";
       if ((i > 0 || first) && (blank || !line.empty())) out += pad;
       out += line;
+      charge_bytes(pad.size() + line.size() + 1);
     }
     return Value(out);
   }
@@ -706,7 +747,7 @@ bool apply_test(const std::string& name, const Value& operand, const CallArgs& a
   if (name == "divisibleby") {
     const int64_t d = required(args, 0, "num", "divisibleby").as_int();
     if (d == 0) type_error("division by zero");
-    return operand.as_int() % d == 0;
+    return d == -1 || operand.as_int() % d == 0;  // x % -1 overflows for the smallest x
   }
   if (name == "lower")
     return operand.is_string() && map_case(operand.as_string(), false) == operand.as_string();
@@ -747,22 +788,24 @@ Dict global_functions() {
                          }
                          if (step == 0) type_error("range() arg 3 must not be zero");
                          List out;
-                         for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+                         for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
                            if (out.size() >= 100000) type_error("range() too long for a template");
                            out.emplace_back(i);
+                           if (__builtin_add_overflow(i, step, &i)) break;  // past the end at once
                          }
+                         charge_work(out.size());
                          return Value(std::move(out));
                        }));
   auto make_dict = [](const CallArgs& args) {
     Dict attributes;
     if (!args.positional.empty() && args.positional[0].is_dict()) attributes = args.positional[0].as_dict();
-    for (const auto& [k, v] : args.keyword) {
+    for (const auto& keyword : args.keyword) {  // not a structured binding: clang 14 cannot capture one
       auto it = std::find_if(attributes.begin(), attributes.end(),
-                             [&](const auto& item) { return item.first == k; });
+                             [&](const auto& item) { return item.first == keyword.first; });
       if (it != attributes.end()) {
-        it->second = v;
+        it->second = keyword.second;
       } else {
-        attributes.emplace_back(k, v);
+        attributes.push_back(keyword);
       }
     }
     return attributes;

@@ -2,11 +2,14 @@
 // loop body is a new scope, an if is not; macros see the template's globals, not their caller's locals).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "server/jinja/ast.h"
 #include "server/jinja/builtins.h"
 #include "server/jinja/lexer.h"
+#include "server/jinja/limits.h"
 #include "server/jinja/parser.h"
 #include "server/jinja/template.h"
 #include "util/error.h"
@@ -69,24 +72,61 @@ std::string describe(const Expr& e) {
   return "a value";
 }
 
+// Bytes a copy of a list's items takes, for the render's size budget: strings are copied with their
+// Value, nested lists and dicts are shared.
+size_t list_bytes(const List& items) {
+  charge_work(items.size());
+  size_t bytes = items.size() * sizeof(Value);
+  for (const Value& item : items)
+    if (item.is_string()) bytes += item.as_string().size();
+  return bytes;
+}
+
+[[noreturn]] void integer_overflow(const std::string& op) {
+  runtime_error(fmt::format("integer overflow in '{}' (templates compute with 64-bit integers)", op));
+}
+
+// a ** b for b >= 0, by squaring (O(log b) whatever b is), refusing results beyond 64 bits.
+int64_t integer_power(int64_t base, int64_t exponent) {
+  int64_t result = 1;
+  while (exponent > 0) {
+    if ((exponent & 1) != 0 && __builtin_mul_overflow(result, base, &result)) integer_overflow("**");
+    exponent >>= 1;
+    if (exponent > 0 && __builtin_mul_overflow(base, base, &base)) integer_overflow("**");
+  }
+  return result;
+}
+
 Value arithmetic(const std::string& op, const Value& a, const Value& b) {
   if (a.is_undefined() || b.is_undefined()) runtime_error(fmt::format("'{}' with an undefined value", op));
   if (op == "+") {
-    if (a.is_string() && b.is_string()) return Value(a.as_string() + b.as_string());
+    if (a.is_string() && b.is_string()) {
+      charge_bytes(a.as_string().size() + b.as_string().size());
+      return Value(a.as_string() + b.as_string());
+    }
     if (a.is_list() && b.is_list()) {
+      charge_bytes(list_bytes(a.as_list()) + list_bytes(b.as_list()));
       List joined = a.as_list();
       joined.insert(joined.end(), b.as_list().begin(), b.as_list().end());
       return Value(std::move(joined));
     }
   }
   if (op == "*" && (a.is_string() || a.is_list()) && b.is_number() && b.kind() != Value::Kind::kFloat) {
+    // Sized and charged before anything is built: "x" * 10**12 is refused, not attempted.
+    const size_t unit = a.is_string() ? a.as_string().size() : list_bytes(a.as_list());
+    const size_t count = unit == 0 ? 0 : static_cast<size_t>(std::max<int64_t>(b.as_int(), 0));
+    size_t total = 0;
+    if (__builtin_mul_overflow(unit, count, &total)) total = SIZE_MAX;
+    charge_bytes(total);
     if (a.is_string()) {
       std::string out;
-      for (int64_t i = 0; i < b.as_int(); ++i) out += a.as_string();
+      out.reserve(total);
+      for (size_t i = 0; i < count; ++i) out += a.as_string();
       return Value(out);
     }
     List out;
-    for (int64_t i = 0; i < b.as_int(); ++i) out.insert(out.end(), a.as_list().begin(), a.as_list().end());
+    out.reserve(count * a.as_list().size());
+    for (size_t i = 0; i < count; ++i) out.insert(out.end(), a.as_list().begin(), a.as_list().end());
     return Value(std::move(out));
   }
   if (!a.is_number() || !b.is_number())
@@ -98,11 +138,7 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
     return Value(a.as_float() / b.as_float());
   }
   if (op == "**") {
-    if (!floats && b.as_int() >= 0) {
-      int64_t r = 1;
-      for (int64_t i = 0; i < b.as_int(); ++i) r *= a.as_int();
-      return Value(r);
-    }
+    if (!floats && b.as_int() >= 0) return Value(integer_power(a.as_int(), b.as_int()));
     return Value(std::pow(a.as_float(), b.as_float()));
   }
   if (floats) {
@@ -116,14 +152,25 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
     return Value(r != 0.0 && ((r < 0) != (y < 0)) ? r + y : r);
   }
   const int64_t x = a.as_int(), y = b.as_int();
-  if (op == "+") return Value(x + y);
-  if (op == "-") return Value(x - y);
-  if (op == "*") return Value(x * y);
-  if (y == 0) runtime_error("division by zero");
-  const int64_t q = x / y, r = x % y;
-  const bool adjust = r != 0 && ((r < 0) != (y < 0));
-  if (op == "//") return Value(adjust ? q - 1 : q);
-  return Value(adjust ? r + y : r);  // %
+  int64_t result = 0;
+  bool overflow = false;
+  if (op == "+") {
+    overflow = __builtin_add_overflow(x, y, &result);
+  } else if (op == "-") {
+    overflow = __builtin_sub_overflow(x, y, &result);
+  } else if (op == "*") {
+    overflow = __builtin_mul_overflow(x, y, &result);
+  } else if (y == 0) {
+    runtime_error("division by zero");
+  } else if (y == -1) {  // x / -1 overflows for the smallest x (and traps on x86); x % -1 is 0
+    overflow = op != "%" && __builtin_sub_overflow(int64_t{0}, x, &result);
+  } else {
+    const int64_t q = x / y, r = x % y;
+    const bool adjust = r != 0 && ((r < 0) != (y < 0));
+    result = op == "//" ? (adjust ? q - 1 : q) : (adjust ? r + y : r);  // Python floors
+  }
+  if (overflow) integer_overflow(op);
+  return Value(result);
 }
 
 }  // namespace
@@ -180,6 +227,7 @@ Value SliceExpr::eval(Context& context) const {
 Value CallExpr::eval(Context& context) const {
   const Value f = callee->eval(context);
   if (!f.is_function()) runtime_error(fmt::format("{} is not callable", describe(*callee)));
+  charge_work(1);
   return f.as_function()(evaluate(arguments, context));
 }
 
@@ -196,7 +244,10 @@ Value UnaryExpr::eval(Context& context) const {
   if (op == "not") return Value(!v.truthy());
   if (!v.is_number()) runtime_error(fmt::format("bad operand type for unary {}: '{}'", op, v.type_name()));
   if (op == "+") return v.kind() == Value::Kind::kFloat ? v : Value(v.as_int());
-  return v.kind() == Value::Kind::kFloat ? Value(-v.as_float()) : Value(-v.as_int());
+  if (v.kind() == Value::Kind::kFloat) return Value(-v.as_float());
+  int64_t negated = 0;
+  if (__builtin_sub_overflow(int64_t{0}, v.as_int(), &negated)) integer_overflow("-");
+  return Value(negated);
 }
 
 Value BinaryExpr::eval(Context& context) const {
@@ -210,7 +261,11 @@ Value BinaryExpr::eval(Context& context) const {
   }
   const Value l = left->eval(context);
   const Value r = right->eval(context);
-  if (op == "~") return Value(l.str() + r.str());
+  if (op == "~") {
+    std::string joined = l.str() + r.str();
+    charge_bytes(joined.size());
+    return Value(std::move(joined));
+  }
   if (op == "==") return Value(equal(l, r));
   if (op == "!=") return Value(!equal(l, r));
   if (op == "<") return Value(less(l, r));
@@ -232,6 +287,7 @@ Value ConditionalExpr::eval(Context& context) const {
 Flow render_body(const Body& body, Context& context, std::string& out) {
   for (const auto& node : body) {
     context.state.line = node->line;
+    charge_work(1);
     const Flow flow = node->render(context, out);
     if (flow != Flow::kNormal) return flow;
   }
@@ -239,12 +295,15 @@ Flow render_body(const Body& body, Context& context, std::string& out) {
 }
 
 Flow TextNode::render(Context&, std::string& out) const {
+  charge_bytes(text.size());
   out += text;
   return Flow::kNormal;
 }
 
 Flow OutputNode::render(Context& context, std::string& out) const {
-  out += expression->eval(context).str();
+  const std::string text = expression->eval(context).str();
+  charge_bytes(text.size());
+  out += text;
   return Flow::kNormal;
 }
 
@@ -255,6 +314,29 @@ Flow IfNode::render(Context& context, std::string& out) const {
 }
 
 namespace {
+
+// Namespaces are the only values a template can change after making them. Holding a namespace or a
+// function (which may hold values itself) could make a cycle: a value that prints forever and is never
+// freed. Without them, a namespace holds plain data, and depths recorded when lists and dicts are made
+// (kMaxValueDepth) stay within twice the limit.
+bool holds_reference(const Value& v) {
+  if (v.is_namespace() || v.is_function()) return true;
+  if (v.is_list()) {
+    charge_work(v.as_list().size());
+    return std::any_of(v.as_list().begin(), v.as_list().end(), holds_reference);
+  }
+  if (v.is_dict()) {
+    charge_work(v.as_dict().size());
+    return std::any_of(v.as_dict().begin(), v.as_dict().end(),
+                       [](const auto& item) { return holds_reference(item.second); });
+  }
+  return false;
+}
+
+void check_namespace_attribute(const Value& v, const std::string& attribute) {
+  if (holds_reference(v))
+    runtime_error(fmt::format("namespace attribute '{}' may not hold a namespace or a function", attribute));
+}
 
 void assign_targets(Scope& scope, const std::vector<std::string>& targets, const Value& value) {
   if (targets.size() == 1) {
@@ -284,6 +366,7 @@ Flow ForNode::render(Context& context, std::string& out) const {
   if (items.empty()) return render_body(otherwise, context, out);
   const auto n = static_cast<int64_t>(items.size());
   for (int64_t i = 0; i < n; ++i) {
+    charge_work(kLoopIterationWork);
     Scope iteration(&context.scope);
     assign_targets(iteration, targets, items[static_cast<size_t>(i)]);
     Dict loop = {{"index", Value(i + 1)},
@@ -313,6 +396,7 @@ Flow SetNode::render(Context& context, std::string&) const {
   if (namespace_object) {
     const Value ns = namespace_object->eval(context);
     if (!ns.is_namespace()) runtime_error("only namespace() objects take attribute assignment");
+    check_namespace_attribute(v, attribute);
     Dict& attributes = ns.mutable_dict();
     for (auto& [key, existing] : attributes)
       if (key == attribute) {
@@ -395,6 +479,7 @@ std::string Template::render(const Dict& variables) const {
   Context context(globals, state);
   std::string out;
   try {
+    RenderBudget budget;
     render_body(parsed_->body, context, out);
   } catch (const Error& e) {
     throw Error(ErrorKind::kInvalidInput, fmt::format("chat template line {}: {}", state.line, e.what()));

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
+#include <cstdlib>
 
 #include "util/error.h"
 
@@ -148,9 +150,13 @@ class TagTokenizer {
     pos_ = end;
     Token t{is_float ? Token::Kind::kFloat : Token::Kind::kInt, text, 0, 0.0, line_};
     if (is_float) {
-      t.float_value = std::stod(text);
+      // strtod, not stod: out-of-range literals become inf or 0 as in Python, instead of throwing.
+      t.float_value = std::strtod(text.c_str(), nullptr);
     } else {
-      t.int_value = std::stoll(text);
+      const auto [end_of_number, error] =
+          std::from_chars(text.data(), text.data() + text.size(), t.int_value);
+      if (error != std::errc() || end_of_number != text.data() + text.size())
+        fail_here("integer literal " + text.substr(0, 40) + " does not fit in 64 bits");
     }
     return t;
   }
@@ -201,9 +207,16 @@ class TagTokenizer {
         case 'x':
         case 'u':
         case 'U': {
+          // Exactly n hex digits (as Python reads them), naming a Unicode scalar value.
           const size_t n = e == 'x' ? 2 : e == 'u' ? 4 : 8;
-          if (pos_ + n > src_.size()) fail_here("truncated escape in string");
-          append_utf8(value, static_cast<uint32_t>(std::stoul(src_.substr(pos_, n), nullptr, 16)));
+          uint32_t cp = 0;
+          const char* digits = src_.data() + pos_;
+          const auto [end, error] = std::from_chars(digits, digits + std::min(n, src_.size() - pos_), cp, 16);
+          if (error != std::errc() || end != digits + n)
+            fail_here(std::string("truncated \\") + e + " escape");
+          if (cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+            fail_here(fmt::format("\\{} escape of {:x} is not a Unicode character", e, cp));
+          append_utf8(value, cp);
           pos_ += n;
           break;
         }

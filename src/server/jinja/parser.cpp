@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "server/jinja/limits.h"
 #include "util/error.h"
 
 namespace mtpx::jinja {
@@ -30,6 +31,7 @@ class Parser {
   // Parses segments until a statement whose keyword is in `ends` (returned in `found`, with the cursor
   // after the keyword), or the end of the template when `ends` is empty.
   Body parse_body(const std::vector<std::string>& ends, std::string& found) {
+    const Nesting nesting(*this, segment_ < segments_.size() ? segments_[segment_].line : last_line());
     Body body;
     while (segment_ < segments_.size()) {
       const Segment& segment = segments_[segment_++];
@@ -170,12 +172,14 @@ class Parser {
   // ---- expressions ----
 
   ExprPtr parse_expression() {
+    const Nesting nesting(*this, peek().line);
     ExprPtr then = parse_or();
     while (accept_name("if")) {
       auto node = make_node<ConditionalExpr>(then->line);
       node->then = std::move(then);
       node->condition = parse_or();
       if (accept_name("else")) node->otherwise = parse_expression();
+      set_depth(*node, {node->then.get(), node->condition.get(), node->otherwise.get()});
       then = std::move(node);
     }
     return then;
@@ -191,6 +195,7 @@ class Parser {
       if (peek().kind == Token::Kind::kEnd) break;
       list->items.push_back(parse_expression());
     }
+    set_depth(*list, list->items);
     return list;
   }
 
@@ -199,6 +204,7 @@ class Parser {
     node->op = std::move(op);
     node->left = std::move(left);
     node->right = std::move(right);
+    set_depth(*node, {node->left.get(), node->right.get()});
     return node;
   }
 
@@ -217,9 +223,11 @@ class Parser {
   ExprPtr parse_not() {
     if (peek().kind == Token::Kind::kName && peek().text == "not") {
       const int line = next().line;
+      const Nesting nesting(*this, line);
       auto node = make_node<UnaryExpr>(line);
       node->op = "not";
       node->operand = parse_not();
+      set_depth(*node, {node->operand.get()});
       return node;
     }
     return parse_compare();
@@ -283,9 +291,11 @@ class Parser {
     ExprPtr node;
     if (is_operator("-") || is_operator("+")) {
       const Token op = next();
+      const Nesting nesting(*this, op.line);
       auto unary = make_node<UnaryExpr>(op.line);
       unary->op = op.text;
       unary->operand = parse_unary(false);
+      set_depth(*unary, {unary->operand.get()});
       node = std::move(unary);
     } else {
       node = parse_primary();
@@ -332,6 +342,7 @@ class Parser {
             tuple->items.push_back(parse_expression());
           }
           expect_operator(")");
+          set_depth(*tuple, tuple->items);
           return tuple;
         }
         if (token.text == "[") {
@@ -343,6 +354,7 @@ class Parser {
               break;
             }
           }
+          set_depth(*list, list->items);
           return list;
         }
         if (token.text == "{") {
@@ -356,6 +368,10 @@ class Parser {
               break;
             }
           }
+          int deepest = 0;
+          for (const auto& [key, value] : dict->items)
+            deepest = std::max({deepest, key->depth, value->depth});
+          set_depth(*dict, deepest);
           return dict;
         }
         break;
@@ -379,6 +395,7 @@ class Parser {
           auto subscript = make_node<SubscriptExpr>(name.line);
           subscript->object = std::move(node);
           subscript->index = literal(Value(name.int_value), name.line);
+          set_depth(*subscript, {subscript->object.get()});
           node = std::move(subscript);
           continue;
         }
@@ -386,6 +403,7 @@ class Parser {
         auto attribute = make_node<AttributeExpr>(name.line);
         attribute->object = std::move(node);
         attribute->name = name.text;
+        set_depth(*attribute, {attribute->object.get()});
         node = std::move(attribute);
       } else if (is_operator("[")) {
         node = parse_subscript(std::move(node));
@@ -393,6 +411,7 @@ class Parser {
         auto call = make_node<CallExpr>(node->line);
         call->callee = std::move(node);
         call->arguments = parse_call_arguments();
+        set_depth(*call, std::max(call->callee->depth, depth_of(call->arguments)));
         node = std::move(call);
       } else {
         return node;
@@ -417,6 +436,7 @@ class Parser {
       auto node = make_node<SubscriptExpr>(line);
       node->object = std::move(object);
       node->index = std::move(parts[0]);
+      set_depth(*node, {node->object.get(), node->index.get()});
       return node;
     }
     auto node = make_node<SliceExpr>(line);
@@ -424,6 +444,7 @@ class Parser {
     node->start = std::move(parts[0]);
     node->stop = std::move(parts[1]);
     node->step = std::move(parts[2]);
+    set_depth(*node, {node->object.get(), node->start.get(), node->stop.get(), node->step.get()});
     return node;
   }
 
@@ -459,6 +480,7 @@ class Parser {
           filter->name += expect_name("a filter name");
         }
         if (accept_operator("(")) filter->arguments = parse_call_arguments();
+        set_depth(*filter, std::max(filter->operand->depth, depth_of(filter->arguments)));
         node = std::move(filter);
       } else if (accept_name("is")) {
         auto test = make_node<TestExpr>(node->line);
@@ -470,11 +492,13 @@ class Parser {
         } else if (starts_test_argument()) {
           test->arguments.positional.push_back(parse_postfix(parse_primary()));
         }
+        set_depth(*test, std::max(test->operand->depth, depth_of(test->arguments)));
         node = std::move(test);
       } else if (accept_operator("(")) {
         auto call = make_node<CallExpr>(node->line);
         call->callee = std::move(node);
         call->arguments = parse_call_arguments();
+        set_depth(*call, std::max(call->callee->depth, depth_of(call->arguments)));
         node = std::move(call);
       } else {
         return node;
@@ -490,6 +514,47 @@ class Parser {
     if (t.kind == Token::Kind::kName)
       return t.text != "else" && t.text != "or" && t.text != "and" && t.text != "if" && t.text != "is";
     return t.kind == Token::Kind::kOperator && (t.text == "[" || t.text == "{");
+  }
+
+  // ---- nesting ----
+
+  // The parser's own recursion (nested blocks, parentheses, `not not x`): at most kMaxNesting deep.
+  class Nesting {
+   public:
+    Nesting(Parser& parser, int line) : parser_(parser) {
+      if (++parser_.nesting_ > kMaxNesting)
+        parser_.error_at(line, "blocks and expressions nested deeper than {} levels", kMaxNesting);
+    }
+    ~Nesting() { --parser_.nesting_; }
+    Nesting(const Nesting&) = delete;
+    Nesting& operator=(const Nesting&) = delete;
+
+   private:
+    Parser& parser_;
+  };
+
+  // A new node's depth is one more than its deepest child's. The interpreter evaluates (and frees) an
+  // expression recursively, so a tree deeper than kMaxNesting is refused here.
+  void set_depth(Expr& node, int deepest_child) const {
+    node.depth = deepest_child + 1;
+    if (node.depth > kMaxNesting)
+      error_at(node.line, "an expression nested deeper than {} levels", kMaxNesting);
+  }
+  void set_depth(Expr& node, std::initializer_list<const Expr*> children) const {
+    int deepest = 0;
+    for (const Expr* child : children) deepest = std::max(deepest, child != nullptr ? child->depth : 0);
+    set_depth(node, deepest);
+  }
+  void set_depth(Expr& node, const std::vector<ExprPtr>& children) const {
+    int deepest = 0;
+    for (const auto& child : children) deepest = std::max(deepest, child->depth);
+    set_depth(node, deepest);
+  }
+  static int depth_of(const Arguments& arguments) {
+    int deepest = 0;
+    for (const auto& e : arguments.positional) deepest = std::max(deepest, e->depth);
+    for (const auto& [name, e] : arguments.keyword) deepest = std::max(deepest, e->depth);
+    return deepest;
   }
 
   // ---- token cursor ----
@@ -542,6 +607,7 @@ class Parser {
   size_t segment_ = 0;
   const std::vector<Token>* tokens_ = nullptr;
   size_t token_ = 0;
+  int nesting_ = 0;
 };
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cmath>
 
+#include "server/jinja/limits.h"
 #include "util/error.h"
 
 namespace mtpx::jinja {
@@ -26,8 +27,30 @@ Value::Value(bool b) : kind_(Kind::kBool), bool_(b) {}
 Value::Value(int64_t i) : kind_(Kind::kInt), int_(i) {}
 Value::Value(double f) : kind_(Kind::kFloat), float_(f) {}
 Value::Value(std::string s) : kind_(Kind::kString), string_(std::move(s)) {}
-Value::Value(List list) : kind_(Kind::kList), list_(std::make_shared<List>(std::move(list))) {}
-Value::Value(Dict dict) : kind_(Kind::kDict), dict_(std::make_shared<Dict>(std::move(dict))) {}
+namespace {
+
+// The depth of a new list or dict: one more than its deepest item. Past kMaxValueDepth it is refused, as
+// printing, comparing and freeing values recurse once per level.
+template <typename Items, typename ValueOf>
+int container_depth(const Items& items, ValueOf value_of) {
+  int deepest = 0;
+  for (const auto& item : items) deepest = std::max(deepest, value_of(item).depth());
+  if (deepest + 1 > kMaxValueDepth)
+    throw Error(ErrorKind::kInvalidInput,
+                fmt::format("a list or dict nested deeper than {} levels", kMaxValueDepth));
+  return deepest + 1;
+}
+
+}  // namespace
+
+Value::Value(List list)
+    : kind_(Kind::kList),
+      depth_(container_depth(list, [](const Value& v) -> const Value& { return v; })),
+      list_(std::make_shared<List>(std::move(list))) {}
+Value::Value(Dict dict)
+    : kind_(Kind::kDict),
+      depth_(container_depth(dict, [](const auto& item) -> const Value& { return item.second; })),
+      dict_(std::make_shared<Dict>(std::move(dict))) {}
 
 Value Value::function(std::string name, Function fn) {
   Value v;
@@ -106,6 +129,7 @@ bool Value::truthy() const {
 
 Value Value::get(std::string_view key) const {
   if (kind_ != Kind::kDict) return Value();
+  charge_work(dict_->size() / 16 + 1);  // a linear search (dicts keep their order in a vector)
   for (const auto& [k, v] : *dict_)
     if (k == key) return v;
   return Value();
@@ -173,6 +197,7 @@ std::string python_float_repr(double value) {
 }
 
 std::vector<std::string> code_points(std::string_view text) {
+  charge_work(text.size() / 32 + 1);
   std::vector<std::string> out;
   for (size_t i = 0; i < text.size();) {
     const auto c = static_cast<unsigned char>(text[i]);
@@ -287,17 +312,22 @@ std::string Value::str() const {
   return "";
 }
 
+// repr() and to_json() charge the render as they go (limits.h): lists share their items, so a small value
+// can print as gigabytes ([[s, s], [s, s]] nested thirty times holds one string a billion times).
 std::string Value::repr() const {
   switch (kind_) {
     case Kind::kString:
+      charge_bytes(string_.size() + 2);
       return repr_string(string_);
     case Kind::kList: {
+      charge_work(list_->size());
       std::string out = tuple_ ? "(" : "[";
       for (size_t i = 0; i < list_->size(); ++i) out += (i ? ", " : "") + (*list_)[i].repr();
       if (tuple_) return out + (list_->size() == 1 ? ",)" : ")");
       return out + "]";
     }
     case Kind::kDict: {
+      charge_work(dict_->size());
       std::string out = namespace_ ? "<Namespace {" : "{";
       for (size_t i = 0; i < dict_->size(); ++i)
         out += (i ? ", " : "") + repr_string((*dict_)[i].first) + ": " + (*dict_)[i].second.repr();
@@ -317,6 +347,7 @@ std::string Value::to_json(const JsonFormat& format) const {
 void Value::write_json(std::string& out, const JsonFormat& format, int depth) const {
   auto newline = [&](int level) {
     if (format.indent < 0) return;
+    charge_bytes(1 + static_cast<size_t>(format.indent * level));
     out += '\n';
     out.append(static_cast<size_t>(format.indent * level), ' ');
   };
@@ -341,9 +372,11 @@ void Value::write_json(std::string& out, const JsonFormat& format, int depth) co
       }
       return;
     case Kind::kString:
+      charge_bytes(string_.size() + 2);
       write_json_string(out, string_, format.ensure_ascii);
       return;
     case Kind::kList:
+      charge_work(list_->size());
       if (list_->empty()) {
         out += "[]";
         return;
@@ -362,6 +395,7 @@ void Value::write_json(std::string& out, const JsonFormat& format, int depth) co
         out += "{}";
         return;
       }
+      charge_work(dict_->size());
       std::vector<const std::pair<std::string, Value>*> items;
       for (const auto& item : *dict_) items.push_back(&item);
       if (format.sort_keys)
@@ -401,6 +435,7 @@ bool equal(const Value& a, const Value& b) {
     case K::kList: {
       const List &x = a.as_list(), &y = b.as_list();
       if (x.size() != y.size()) return false;
+      charge_work(x.size());
       for (size_t i = 0; i < x.size(); ++i)
         if (!equal(x[i], y[i])) return false;
       return true;
@@ -408,9 +443,11 @@ bool equal(const Value& a, const Value& b) {
     case K::kDict: {
       const Dict &x = a.as_dict(), &y = b.as_dict();
       if (x.size() != y.size()) return false;
-      for (const auto& [key, value] : x) {
-        auto it = std::find_if(y.begin(), y.end(), [&](const auto& item) { return item.first == key; });
-        if (it == y.end() || !equal(value, it->second)) return false;
+      charge_work(x.size() * x.size() / 16 + 1);  // a key lookup per entry
+      for (const auto& entry : x) {               // not a structured binding: clang 14 cannot capture one
+        auto it =
+            std::find_if(y.begin(), y.end(), [&](const auto& item) { return item.first == entry.first; });
+        if (it == y.end() || !equal(entry.second, it->second)) return false;
       }
       return true;
     }
@@ -430,6 +467,7 @@ bool less(const Value& a, const Value& b) {
   if (a.is_string() && b.is_string()) return a.as_string() < b.as_string();  // UTF-8: code point order
   if (a.is_list() && b.is_list()) {
     const List &x = a.as_list(), &y = b.as_list();
+    charge_work(std::min(x.size(), y.size()));
     for (size_t i = 0; i < std::min(x.size(), y.size()); ++i) {
       if (less(x[i], y[i])) return true;
       if (less(y[i], x[i])) return false;

@@ -52,6 +52,9 @@ class Value {
   static Value from_json(const nlohmann::ordered_json& json);
 
   Kind kind() const { return kind_; }
+  // Nesting of lists and dicts: 0 for a scalar, 1 + the deepest item for a container (recorded when it is
+  // made; at most kMaxValueDepth, see limits.h).
+  int depth() const { return depth_; }
   bool is_undefined() const { return kind_ == Kind::kUndefined; }
   bool is_none() const { return kind_ == Kind::kNone; }
   bool is_string() const { return kind_ == Kind::kString; }
@@ -97,6 +100,7 @@ class Value {
   bool bool_ = false;
   bool namespace_ = false;
   bool tuple_ = false;
+  int depth_ = 0;
   int64_t int_ = 0;
   double float_ = 0.0;
   std::string string_;  // the string, or a function's name
