@@ -1,9 +1,7 @@
 #include "io/model_config.h"
 
 #include <algorithm>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "util/error.h"
 
@@ -95,18 +93,6 @@ class Reader {
 
 int64_t ModelConfig::num_full_attention_layers() const {
   return std::count(layer_types.begin(), layer_types.end(), LayerType::kFullAttention);
-}
-
-json read_json_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(ErrorKind::kNotFound, "cannot open '{}'", path.string());
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  try {
-    return json::parse(buffer.str());
-  } catch (const json::parse_error& e) {
-    invalid_input("'{}' is not valid JSON: {}", path.string(), e.what());
-  }
 }
 
 ModelConfig parse_model_config(const json& root, const std::string& source) {

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "io/json_file.h"
+
 namespace mtpx {
 
 enum class LayerType { kLinearAttention, kFullAttention };
@@ -71,8 +73,5 @@ struct GenerationConfig {
 GenerationConfig parse_generation_config(const nlohmann::json& config, const std::string& source);
 // Missing file: defaults (greedy). Malformed file: error naming it.
 GenerationConfig load_generation_config(const std::filesystem::path& generation_config_json);
-
-// Reads a whole JSON file; errors name the file.
-nlohmann::json read_json_file(const std::filesystem::path& path);
 
 }  // namespace mtpx

@@ -34,6 +34,10 @@ struct TensorView {
   int64_t numel() const;
 };
 
+// How many elements of a floating-point tensor (F32, F16, BF16, F64) are NaN or +-Inf; 0 for integer
+// dtypes. Reads every byte of the tensor.
+int64_t count_non_finite(const TensorView& tensor);
+
 // A read-only memory-mapped file (RAII).
 class MappedFile {
  public:
@@ -51,7 +55,7 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// One safetensors file, validated when opened: header length bounded (<= 100 MiB) and inside the file,
+// One safetensors file, validated when opened: header length bounded (<= 16 MiB) and inside the file,
 // header is a JSON object, every entry has a known dtype, a shape of non-negative dims whose element
 // count times the dtype size equals end-begin (no overflow), offsets inside the data section, no two
 // tensors overlapping, no duplicate names. Any violation throws mtpx::Error (kInvalidInput) with a

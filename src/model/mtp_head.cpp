@@ -39,6 +39,10 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   // the shared lm_head.
   decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T);
   norm_and_logits(c, w.lm_head, head->norm, x.data(), T, rows, result.hidden, result.logits);
+  const std::vector<float>& out = rows == LogitRows::kNone ? result.hidden : result.logits;
+  if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
+    model.fail_non_finite(fmt::format("in the MTP head's {} at positions {}..{}",
+                                      rows == LogitRows::kNone ? "hidden states" : "logits", p0, p0 + T - 1));
 }
 
 }  // namespace mtpx

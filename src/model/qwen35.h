@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "io/model_config.h"
@@ -46,6 +47,11 @@ class Model {
   // (T < kGemmMinRows), the pass can afterwards be cut back to any prefix with rollback().
   void forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
                bool record_window = false) const;
+
+  // Throws kInvalidInput for NaN or Inf that a forward pass produced (`what`: "logits at position 12"),
+  // naming the checkpoint tensors that hold NaN or Inf: sampling from such logits would emit garbage.
+  // Scans the mapped weights, so it is only called on that error path.
+  [[noreturn]] void fail_non_finite(const std::string& what) const;
 
   // Keeps only the first `keep` tokens of the last recorded window: attention KV is truncated by moving
   // the position back (later writes overwrite the rest); DeltaNet states are restored and replayed.

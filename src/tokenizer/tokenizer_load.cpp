@@ -2,13 +2,10 @@
 // reference implementation produces and that is not implemented here is rejected with an error naming
 // the file and the field.
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <stdexcept>
 
+#include "io/json_file.h"
 #include "tokenizer/tokenizer_impl.h"
 #include "tokenizer/utf8.h"
 #include "util/error.h"
@@ -78,16 +75,8 @@ class Loader {
 };
 
 void Loader::load(TokenizerData& impl) {
-  std::ifstream in(path_, std::ios::binary);
-  if (!in) invalid_input("cannot open tokenizer file {}: {}", path_.string(), std::strerror(errno));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  json root;
-  try {
-    root = json::parse(buffer.str());
-  } catch (const json::exception& e) {
-    invalid_input("tokenizer file {}: not valid JSON: {}", path_.string(), e.what());
-  }
+  const json root = parse_json_strict(read_small_file(path_, kMaxTokenizerFileBytes),
+                                      fmt::format("tokenizer file {}", printable(path_.native())));
   if (!root.is_object()) fail("(top level)", "expected a JSON object, found {}", root.type_name());
 
   impl.path = path_;
