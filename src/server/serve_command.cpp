@@ -73,6 +73,9 @@ std::function<int()> add_serve_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   app.add_option("--max-body", o.max_body_bytes, "largest request body in bytes (default 8 MiB; larger: 413)")
       ->check(CLI::Range(size_t{1024}, size_t{1} << 30));
+  app.add_option("--request-timeout", o.request_timeout,
+                 "seconds a client has to send a whole request, headers and body (default 20; then 408)")
+      ->check(CLI::Range(1, 3600));
   app.add_flag("--quiet", f->quiet, "no request log on stderr");
   return [f] { return run_serve(*f); };
 }
