@@ -6,11 +6,8 @@
 
 namespace mtpx {
 
-MtpState::MtpState(const ModelConfig& c, int64_t capacity) : capacity_(capacity) {
-  const size_t n = static_cast<size_t>(capacity * c.num_kv_heads * c.head_dim);
-  kv_.keys.assign(n, 0.0f);
-  kv_.values.assign(n, 0.0f);
-}
+// The cache starts empty and grows as positions are used (gated_attention_forward).
+MtpState::MtpState(const ModelConfig&, int64_t capacity) : capacity_(capacity) {}
 
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result) {
