@@ -547,6 +547,8 @@ def main():
     parser.add_argument("--max-soak-drift", type=float, default=0.10, help="allowed RSS drift (fraction)")
     parser.add_argument("--max-rss-growth-mib", type=float, default=200, help="allowed RSS growth over the run")
     parser.add_argument("--only", help="run only the cases whose name contains this")
+    parser.add_argument("--slow-clients", type=int, help="slow and silent clients at once (default 100, "
+                        "--quick; 300)")
     parser.add_argument("--log", help="server log file")
     args = parser.parse_args()
     # Small limits make every case quick: the server is started with them.
@@ -554,7 +556,7 @@ def main():
     args.excess = 4 if args.quick else 12
     args.request_timeout = 3 if args.quick else 10
     args.max_body = 256 * 1024
-    args.slow_clients = 100 if args.quick else 300
+    args.slow_clients = args.slow_clients or (100 if args.quick else 300)
     args.rapid = 500 if args.quick else 5000
     args.vanish = 4 if args.quick else 20
 

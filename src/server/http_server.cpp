@@ -34,7 +34,7 @@ constexpr auto kPollInterval = std::chrono::milliseconds(100);
 // thread for every token would preempt the OpenMP team of the forward passes (2 cores, spinning threads).
 constexpr auto kMinWriteInterval = std::chrono::milliseconds(10);
 constexpr int kListenBacklog = 512;
-constexpr size_t kSpareHttpThreads = 256;
+constexpr size_t kSpareHttpThreads = 1024;
 constexpr size_t kKeepAliveMaxRequests = 1000;
 constexpr int64_t kDefaultContextCap = 8192;
 constexpr int64_t kCompletionsDefaultMaxTokens = 16;  // OpenAI's default for /v1/completions
