@@ -229,10 +229,11 @@ def build(out, mtpx):
     d = c.case("config_huge", "a 200 MiB config.json (sparse)", ("error", "larger than"))
     with open(c.replace(d, "config.json"), "wb") as f:
         f.truncate(200 << 20)
-    d = c.case("tokenizer_dev_zero", "tokenizer.json -> /dev/zero", ("error", "regular file"), ("ok", None))
+    d = c.case("tokenizer_dev_zero", "tokenizer.json -> /dev/zero", ("error", "regular file"),
+               ("ok", "not a regular file"))
     os.symlink("/dev/zero", os.path.join(d, "tokenizer.json"))
     d = c.case("generation_config_fifo", "generation_config.json is a FIFO", ("error", "regular file"),
-               ("ok", None))
+               ("ok", "not a regular file"))
     os.mkfifo(c.replace(d, "generation_config.json"))
 
     # --- symlinks and index entries that leave the directory ---------------------------------------

@@ -124,19 +124,25 @@ def main():
                 failures += bool(problems)
             rows.append((case, outcome))
         if args.markdown:
-            print("\n| case | what | generate | inspect | peak RSS (MiB) | passed |")
+            print("\n| case | what | `generate` | `inspect` | peak RSS (MiB) | passed |")
             print("|---|---|---|---|---|---|")
             for case, outcome in rows:
                 def cell(which):
                     code, message, _, _, _ = outcome[which]
-                    message = message.removeprefix("error: ").replace("|", "\\|")
-                    if len(message) > 110:
-                        message = message[:107] + "..."
-                    return f"exit {code}: {message}" if code != 0 else "exit 0"
+                    if code == 0:
+                        if case["check_values"]:
+                            return "exit 0; `--check-values` names the tensor"
+                        needle = case[which][1]
+                        return f"exit 0; the report says '{needle}'" if needle else "exit 0"
+                    message = message.removeprefix("error: ").replace(os.path.join(corpus, case["name"]), "DIR")
+                    message = message.replace("|", "\\|")
+                    if len(message) > 160:
+                        message = message[:157] + "..."
+                    return f"exit {code}: {message}"
                 rss = max(o[2] for o in outcome.values()) / 2**20
                 passed = "yes" if not any(o[4] for o in outcome.values()) else "**no**"
-                print(f"| {case['name']} | {case['what']} | {cell('generate')} | {cell('inspect')} "
-                      f"| {rss:.0f} | {passed} |")
+                inspect = "same" if outcome["inspect"][1] == outcome["generate"][1] else cell("inspect")
+                print(f"| {case['name']} | {case['what']} | {cell('generate')} | {inspect} | {rss:.0f} | {passed} |")
         print(f"{len(rows)} hostile model directories, {failures} failed runs")
         return 1 if failures else 0
     finally:
