@@ -145,7 +145,7 @@ TEST(FuzzFindings, JsonNumbersBeyondDoubleAreInvalidInput) {
             std::string::npos);
   EXPECT_NE(error_of([] {
               (void)parse_json_text(R"({"vocab_size": -1e999})", "config.json");
-            }).find("config.json' is not valid JSON"),
+            }).find("'config.json': not valid JSON"),
             std::string::npos);
 }
 

@@ -332,12 +332,13 @@ class TokenizerFileTest : public ::testing::Test {
   }
 
   // Loads the file and checks the error names it and contains each of `needles`.
-  void expect_error(const fs::path& path, std::initializer_list<std::string> needles) {
+  void expect_error(const fs::path& path, std::initializer_list<std::string> needles,
+                    ErrorKind kind = ErrorKind::kInvalidInput) {
     try {
       (void)Tokenizer::from_file(path);
       ADD_FAILURE() << "no error loading " << path;
     } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput) << e.what();
+      EXPECT_EQ(e.kind(), kind) << e.what();
       const std::string message = e.what();
       EXPECT_NE(message.find(path.string()), std::string::npos) << message;
       for (const std::string& needle : needles) EXPECT_NE(message.find(needle), std::string::npos) << message;
@@ -351,7 +352,9 @@ TEST_F(TokenizerFileTest, BaseFileLoads) {
   EXPECT_NO_THROW((void)Tokenizer::from_file(write("ok.json", base().dump())));
 }
 
-TEST_F(TokenizerFileTest, MissingFile) { expect_error(dir_ / "does_not_exist.json", {}); }
+TEST_F(TokenizerFileTest, MissingFile) {
+  expect_error(dir_ / "does_not_exist.json", {}, ErrorKind::kNotFound);
+}
 
 TEST_F(TokenizerFileTest, NotJson) {
   expect_error(write("a.json", "{\"model\": [1, 2"), {"JSON"});

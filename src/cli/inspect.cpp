@@ -13,13 +13,16 @@ struct InspectFlags {
   std::string model;
   bool json = false;
   int64_t context = 4096;
+  bool check_values = false;
 };
 
 int run_inspect(const InspectFlags& f) {
   const auto dir = resolve_model_dir(f.model);
-  const nlohmann::json report = tools::inspect_model(dir, {.context = f.context});
+  const nlohmann::json report =
+      tools::inspect_model(dir, {.context = f.context, .check_values = f.check_values});
+  // Names from a hostile file need not be UTF-8: replaced, not an exception.
   if (f.json)
-    fmt::print("{}\n", report.dump(2));
+    fmt::print("{}\n", report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace));
   else
     fmt::print("{}", tools::render_inspect_report(report));
   return 0;
@@ -33,6 +36,8 @@ std::function<int()> add_inspect_command(CLI::App& app) {
   app.add_flag("--json", f->json, "print the report as JSON");
   app.add_option("--context", f->context, "context length for the memory estimate")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  app.add_flag("--check-values", f->check_values,
+               "read every weight and report tensors holding NaN or Inf (reads the whole checkpoint)");
   return [f] { return run_inspect(*f); };
 }
 

@@ -2,9 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "util/error.h"
 
@@ -100,22 +98,6 @@ class Reader {
 
 int64_t ModelConfig::num_full_attention_layers() const {
   return std::count(layer_types.begin(), layer_types.end(), LayerType::kFullAttention);
-}
-
-json read_json_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(ErrorKind::kNotFound, "cannot open '{}'", path.string());
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return parse_json_text(buffer.str(), path.string());
-}
-
-json parse_json_text(std::string_view text, const std::string& source) {
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number such as 1e400
-    invalid_input("'{}' is not valid JSON: {}", source, e.what());
-  }
 }
 
 ModelConfig parse_model_config(const json& root, const std::string& source) {

@@ -10,6 +10,8 @@
 #include <string_view>
 #include <vector>
 
+#include "io/json_file.h"
+
 namespace mtpx {
 
 enum class LayerType { kLinearAttention, kFullAttention };
@@ -72,10 +74,5 @@ struct GenerationConfig {
 GenerationConfig parse_generation_config(const nlohmann::json& config, const std::string& source);
 // Missing file: defaults (greedy). Malformed file: error naming it.
 GenerationConfig load_generation_config(const std::filesystem::path& generation_config_json);
-
-// Reads a whole JSON file; errors name the file.
-nlohmann::json read_json_file(const std::filesystem::path& path);
-// The same for text already read; `source` names it in errors.
-nlohmann::json parse_json_text(std::string_view text, const std::string& source);
 
 }  // namespace mtpx

@@ -11,9 +11,9 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <utility>
 
+#include "io/json_file.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -22,7 +22,12 @@ namespace {
 
 using nlohmann::json;
 
-constexpr uint64_t kMaxHeaderBytes = 100ull * 1024 * 1024;
+// The reference implementation allows 100 MB; real checkpoint shards have headers under 2 MB. Parsing
+// costs ~15 bytes of memory per header byte (JSON DOM, then the tensor table), so 16 MiB keeps a
+// hostile header's peak near 250 MB instead of 1.5 GB.
+constexpr uint64_t kMaxHeaderBytes = 16ull * 1024 * 1024;
+// Weights have 1 to 4 dimensions; a longer shape is not a weight (and would make messages huge).
+constexpr size_t kMaxRank = 16;
 constexpr const char* kIndexName = "model.safetensors.index.json";
 
 constexpr std::pair<DType, std::string_view> kDTypeNames[] = {
@@ -30,21 +35,6 @@ constexpr std::pair<DType, std::string_view> kDTypeNames[] = {
     {DType::kI64, "I64"}, {DType::kI32, "I32"}, {DType::kI16, "I16"},   {DType::kI8, "I8"},
     {DType::kU8, "U8"},   {DType::kU32, "U32"}, {DType::kBool, "BOOL"},
 };
-
-// Text for an error message, kept on one line: control bytes are written as \xNN.
-std::string printable(std::string_view text) {
-  std::string out;
-  out.reserve(text.size());
-  for (char c : text) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte < 0x20 || byte == 0x7f) {
-      out += fmt::format("\\x{:02x}", byte);
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
 
 std::string printable_path(const std::filesystem::path& path) {
   return printable(std::string_view(path.native()));
@@ -58,6 +48,13 @@ std::string printable_path(const std::filesystem::path& path) {
                              std::string_view what) {
   invalid_input("invalid safetensors file '{}': tensor '{}': {}", printable_path(file), printable(name),
                 what);
+}
+
+// A JSON value for an error message, cut to a readable length.
+std::string short_dump(const json& value) {
+  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (text.size() > 80) text = text.substr(0, 77) + "...";
+  return printable(text);
 }
 
 bool parse_dtype(std::string_view text, DType* dtype) {
@@ -83,37 +80,6 @@ bool as_unsigned(const json& value, uint64_t* out) {
     return true;
   }
   return false;
-}
-
-// Parses JSON text, rejecting duplicate keys in any object (nlohmann would silently keep the last one).
-// `describe` names the source for messages.
-json parse_json_strict(const char* begin, const char* end, const std::string& describe) {
-  std::vector<std::set<std::string>> seen;  // keys of each open object, innermost last
-  json::parser_callback_t callback = [&](int /*depth*/, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start:
-        seen.emplace_back();
-        break;
-      case json::parse_event_t::object_end:
-        if (!seen.empty()) seen.pop_back();
-        break;
-      case json::parse_event_t::key: {
-        const auto& key = parsed.get_ref<const std::string&>();
-        if (!seen.empty() && !seen.back().insert(key).second) {
-          invalid_input("{}: duplicate key '{}' in the JSON", describe, printable(key));
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    return true;
-  };
-  try {
-    return json::parse(begin, end, callback);
-  } catch (const json::exception& e) {
-    invalid_input("{}: not valid JSON ({})", describe, printable(e.what()));
-  }
 }
 
 bool is_inside(const std::filesystem::path& dir, const std::filesystem::path& path) {
@@ -185,11 +151,39 @@ int64_t TensorView::numel() const {
   return count;
 }
 
+int64_t count_non_finite(const TensorView& t) {
+  // An all-ones exponent is NaN or Inf in every IEEE-style format; count by bits, 16 or 32 at a time.
+  auto count = [&](auto word, auto exponent_mask) {
+    using Word = decltype(word);
+    const size_t n = t.nbytes / sizeof(Word);
+    int64_t bad = 0;
+    for (size_t i = 0; i < n; ++i) {
+      Word bits;
+      std::memcpy(&bits, t.data + i * sizeof(Word), sizeof(Word));
+      bad += (bits & exponent_mask) == exponent_mask;
+    }
+    return bad;
+  };
+  switch (t.dtype) {
+    case DType::kF32:
+      return count(uint32_t{}, uint32_t{0x7f800000u});
+    case DType::kF16:
+      return count(uint16_t{}, uint16_t{0x7c00u});
+    case DType::kBF16:
+      return count(uint16_t{}, uint16_t{0x7f80u});
+    case DType::kF64:
+      return count(uint64_t{}, uint64_t{0x7ff0000000000000ull});
+    default:
+      return 0;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // MappedFile
 
 MappedFile::MappedFile(const std::filesystem::path& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever (fstat then refuses it).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
     fail(err == ENOENT ? ErrorKind::kNotFound : ErrorKind::kInvalidInput, "cannot open '{}': {}",
@@ -247,9 +241,8 @@ SafetensorsTable parse_safetensors(std::span<const std::byte> bytes, const std::
                                file_size - 8));
   }
   const auto* header_begin = reinterpret_cast<const char*>(bytes.data() + 8);
-  const json header =
-      parse_json_strict(header_begin, header_begin + header_len,
-                        fmt::format("invalid safetensors file '{}': header", printable_path(path)));
+  json header = parse_json_strict(std::string_view(header_begin, header_len),
+                                  fmt::format("invalid safetensors file '{}': header", printable_path(path)));
   if (!header.is_object()) bad_file(path, "header is not a JSON object");
 
   const std::byte* data_section = bytes.data() + 8 + header_len;
@@ -261,7 +254,12 @@ SafetensorsTable parse_safetensors(std::span<const std::byte> bytes, const std::
   };
   std::vector<Range> ranges;
 
-  for (const auto& [name, entry] : header.items()) {
+  // Each entry leaves the JSON document once it is a TensorView: the two never both hold every tensor
+  // (a header of many tensors costs half the peak memory).
+  auto& entries = header.get_ref<json::object_t&>();
+  for (auto entry_it = entries.begin(); entry_it != entries.end(); entry_it = entries.erase(entry_it)) {
+    const std::string& name = entry_it->first;
+    const json& entry = entry_it->second;
     if (name == "__metadata__") {
       if (!entry.is_object()) bad_file(path, "__metadata__ is not a JSON object");
       for (const auto& [key, value] : entry.items()) {
@@ -289,13 +287,16 @@ SafetensorsTable parse_safetensors(std::span<const std::byte> bytes, const std::
     const auto shape_it = entry.find("shape");
     if (shape_it == entry.end() || !shape_it->is_array())
       bad_tensor(path, name, "shape missing or not an array");
+    if (shape_it->size() > kMaxRank)
+      bad_tensor(path, name,
+                 fmt::format("shape has {} dimensions, more than {}", shape_it->size(), kMaxRank));
     uint64_t numel = 1;
     bool overflow = false;
     for (const auto& dim_json : *shape_it) {
       uint64_t dim = 0;
       if (!as_unsigned(dim_json, &dim) || dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
         bad_tensor(path, name,
-                   fmt::format("shape {} is not an array of non-negative integers", shape_it->dump()));
+                   fmt::format("shape {} is not an array of non-negative integers", short_dump(*shape_it)));
       }
       view.shape.push_back(static_cast<int64_t>(dim));
       overflow = overflow || __builtin_mul_overflow(numel, dim, &numel);
@@ -303,7 +304,7 @@ SafetensorsTable parse_safetensors(std::span<const std::byte> bytes, const std::
     uint64_t nbytes = 0;
     overflow =
         overflow || __builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(view.dtype)), &nbytes);
-    if (overflow) bad_tensor(path, name, fmt::format("size of shape {} overflows", shape_it->dump()));
+    if (overflow) bad_tensor(path, name, fmt::format("size of shape {} overflows", short_dump(*shape_it)));
 
     const auto offsets_it = entry.find("data_offsets");
     uint64_t begin = 0;
@@ -312,12 +313,12 @@ SafetensorsTable parse_safetensors(std::span<const std::byte> bytes, const std::
         !as_unsigned((*offsets_it)[0], &begin) || !as_unsigned((*offsets_it)[1], &end) || begin > end) {
       bad_tensor(path, name,
                  fmt::format("data_offsets {} is not [begin, end] with 0 <= begin <= end",
-                             offsets_it == entry.end() ? std::string("(missing)") : offsets_it->dump()));
+                             offsets_it == entry.end() ? std::string("(missing)") : short_dump(*offsets_it)));
     }
     if (end - begin != nbytes) {
       bad_tensor(path, name,
                  fmt::format("size mismatch: {} {} needs {} bytes but data_offsets [{}, {}] span {}",
-                             dtype_text, shape_it->dump(), nbytes, begin, end, end - begin));
+                             dtype_text, short_dump(*shape_it), nbytes, begin, end, end - begin));
     }
     if (end > data_size) {
       bad_tensor(
@@ -363,7 +364,7 @@ const TensorView* SafetensorsFile::find(std::string_view name) const {
 std::map<std::string, std::vector<std::string>> parse_safetensors_index(
     std::string_view text, const std::filesystem::path& index_path) {
   const std::string describe = fmt::format("invalid index '{}'", printable_path(index_path));
-  const json index = parse_json_strict(text.data(), text.data() + text.size(), describe);
+  const json index = parse_json_strict(text, describe);
   if (!index.is_object()) invalid_input("{}: not a JSON object", describe);
   const auto map_it = index.find("weight_map");
   if (map_it == index.end() || !map_it->is_object()) {
@@ -415,9 +416,8 @@ TensorStore TensorStore::open_directory(const std::filesystem::path& dir) {
 
   const fs::path index_path = dir / kIndexName;
   if (fs::exists(index_path, ec)) {
-    const MappedFile index_file(index_path);
-    const auto* text = reinterpret_cast<const char*>(index_file.data());
-    const auto by_shard = parse_safetensors_index({text, index_file.size()}, index_path);
+    const auto by_shard =
+        parse_safetensors_index(read_small_file(index_path, kMaxConfigFileBytes), index_path);
     for (const auto& [shard, names] : by_shard) {
       if (!fs::is_regular_file(dir / shard, ec)) {
         invalid_input("shard '{}' listed in {} does not exist in '{}'", printable(shard), kIndexName,

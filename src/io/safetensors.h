@@ -34,6 +34,10 @@ struct TensorView {
   int64_t numel() const;
 };
 
+// How many elements of a floating-point tensor (F32, F16, BF16, F64) are NaN or +-Inf; 0 for integer
+// dtypes. Reads every byte of the tensor.
+int64_t count_non_finite(const TensorView& tensor);
+
 // A read-only memory-mapped file (RAII).
 class MappedFile {
  public:

@@ -38,6 +38,14 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
   cpu::matmul(w.k_proj, h, T, k.data());
   cpu::matmul(w.v_proj, h, T, v.data());
 
+  // The cache grows with the positions used (std::vector doubles its capacity): a state's memory follows
+  // the tokens processed, not the prompt + max_tokens it was created for.
+  const size_t used = static_cast<size_t>((p0 + T) * nkv * D);
+  if (cache.keys.size() < used) {
+    cache.keys.resize(used);
+    cache.values.resize(used);
+  }
+
   // q/k norm and RoPE; keys and values go to the cache at their positions.
   for (int64_t t = 0; t < T; ++t) {
     const int64_t pos = p0 + t;

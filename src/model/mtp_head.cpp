@@ -8,11 +8,8 @@
 
 namespace mtpx {
 
-MtpState::MtpState(const ModelConfig& c, int64_t capacity) : capacity_(capacity) {
-  const size_t n = static_cast<size_t>(capacity * c.num_kv_heads * c.head_dim);
-  kv_.keys.assign(n, 0.0f);
-  kv_.values.assign(n, 0.0f);
-}
+// The cache starts empty and grows as positions are used (gated_attention_forward).
+MtpState::MtpState(const ModelConfig&, int64_t capacity) : capacity_(capacity) {}
 
 MtpState::MtpState(int64_t capacity, std::unique_ptr<DeviceSequence> device)
     : capacity_(capacity), device_(std::move(device)) {}
@@ -54,6 +51,10 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   // the shared lm_head.
   decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T);
   norm_and_logits(c, w.lm_head, head->norm, x.data(), T, rows, result.hidden, result.logits);
+  const std::vector<float>& out = rows == LogitRows::kNone ? result.hidden : result.logits;
+  if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
+    model.fail_non_finite(fmt::format("in the MTP head's {} at positions {}..{}",
+                                      rows == LogitRows::kNone ? "hidden states" : "logits", p0, p0 + T - 1));
 }
 
 }  // namespace mtpx

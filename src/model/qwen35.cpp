@@ -90,8 +90,28 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
     decoder_layer_forward(weights_.layers[static_cast<size_t>(li)], c, &state.kv(li), &state.delta(li), p0,
                           x.data(), T, record_window);
   norm_and_logits(c, weights_.lm_head, weights_.final_norm, x.data(), T, rows, result.hidden, result.logits);
+  const std::vector<float>& out = rows == LogitRows::kNone ? result.hidden : result.logits;
+  if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
+    fail_non_finite(fmt::format("{} at positions {}..{}",
+                                rows == LogitRows::kNone ? "hidden states" : "logits", p0, p0 + T - 1));
   if (record_window) state.set_window(p0, T);
   state.advance(T);
+}
+
+void Model::fail_non_finite(const std::string& what) const {
+  std::string culprits;
+  int found = 0;
+  if (store_) {
+    for (const std::string& name : store_->names()) {
+      const int64_t bad = count_non_finite(*store_->find(name));
+      if (bad == 0) continue;
+      if (++found <= 3) culprits += fmt::format("{}'{}' ({} values)", found > 1 ? ", " : "", name, bad);
+    }
+  }
+  if (found > 3) culprits += fmt::format(" and {} more", found - 3);
+  invalid_input("the model computed NaN or Inf {}: {}", what,
+                found > 0 ? fmt::format("the checkpoint has NaN/Inf weights in tensor {}", culprits)
+                          : std::string("the weights are finite, so the values overflowed"));
 }
 
 void Model::rollback(InferenceState& state, int64_t keep) const {

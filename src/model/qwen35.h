@@ -59,6 +59,11 @@ class Model {
   void forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
                bool record_window = false) const;
 
+  // Throws kInvalidInput for NaN or Inf that a forward pass produced (`what`: "logits at position 12"),
+  // naming the checkpoint tensors that hold NaN or Inf: sampling from such logits would emit garbage.
+  // Scans the mapped weights, so it is only called on that error path.
+  [[noreturn]] void fail_non_finite(const std::string& what) const;
+
   // Keeps only the first `keep` tokens of the last recorded window: attention KV is truncated by moving
   // the position back (later writes overwrite the rest); DeltaNet states are restored and replayed.
   void rollback(InferenceState& state, int64_t keep) const;

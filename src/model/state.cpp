@@ -12,11 +12,8 @@ InferenceState::InferenceState(const ModelConfig& c, int64_t capacity) : capacit
   kv_.resize(static_cast<size_t>(c.num_layers));
   delta_.resize(static_cast<size_t>(c.num_layers));
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    if (c.layer_types[static_cast<size_t>(i)] == LayerType::kFullAttention) {
-      const size_t n = static_cast<size_t>(capacity * c.num_kv_heads * c.head_dim);
-      kv_[static_cast<size_t>(i)].keys.assign(n, 0.0f);
-      kv_[static_cast<size_t>(i)].values.assign(n, 0.0f);
-    } else {
+    // Attention caches start empty and grow as positions are used (gated_attention_forward).
+    if (c.layer_types[static_cast<size_t>(i)] == LayerType::kLinearAttention) {
       DeltaNetState& d = delta_[static_cast<size_t>(i)];
       d.conv.assign(static_cast<size_t>((c.linear_conv_kernel_dim - 1) * c.conv_dim()), 0.0f);
       d.ssm.assign(

@@ -11,10 +11,11 @@
 
 namespace mtpx {
 
-// Attention cache of one full-attention layer: post-norm, post-RoPE keys and values.
+// Attention cache of one full-attention layer: post-norm, post-RoPE keys and values, grown by the
+// attention forward to the positions used so far (at most the state's capacity).
 struct KvCache {
-  std::vector<float> keys;    // [capacity, nkv, D]
-  std::vector<float> values;  // [capacity, nkv, D]
+  std::vector<float> keys;    // [positions, nkv, D]
+  std::vector<float> values;  // [positions, nkv, D]
 };
 
 // What a recorded forward window keeps to roll back to any prefix of itself (spec §7, the replay

@@ -1,8 +1,5 @@
 #include "server/chat_template.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "io/model_config.h"
 #include "util/error.h"
 
@@ -25,10 +22,7 @@ std::optional<ChatTemplate> ChatTemplate::from_model_dir(const std::filesystem::
 
   const auto jinja_path = dir / "chat_template.jinja";
   if (std::filesystem::exists(jinja_path)) {
-    std::ifstream in(jinja_path, std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
-    return ChatTemplate(text.str(), special_tokens);
+    return ChatTemplate(read_small_file(jinja_path, kMaxConfigFileBytes), special_tokens);
   }
   if (!config.contains("chat_template")) return std::nullopt;
   const auto& templates = config["chat_template"];

@@ -13,6 +13,7 @@
 #include "decode/generate.h"
 #include "io/model_config.h"
 #include "model/qwen35.h"
+#include "server/bounded_server.h"
 #include "server/chat_page.h"
 #include "server/chat_template.h"
 #include "server/metrics.h"
@@ -33,6 +34,7 @@ constexpr auto kPollInterval = std::chrono::milliseconds(100);
 // thread for every token would preempt the OpenMP team of the forward passes (2 cores, spinning threads).
 constexpr auto kMinWriteInterval = std::chrono::milliseconds(10);
 constexpr int kListenBacklog = 512;
+constexpr size_t kSpareHttpThreads = 1024;
 constexpr size_t kKeepAliveMaxRequests = 1000;
 constexpr int64_t kDefaultContextCap = 8192;
 constexpr int64_t kCompletionsDefaultMaxTokens = 16;  // OpenAI's default for /v1/completions
@@ -98,7 +100,7 @@ struct Server::State {
   ServingDefaults defaults;
   Metrics metrics;
   std::unique_ptr<Scheduler> scheduler;
-  httplib::Server http;
+  std::unique_ptr<BoundedServer> http;  // created once the options are known
   int port = 0;
   int listen_socket = -1;    // the bound socket, to raise its listen backlog (see bind())
   std::string draft_source;  // where the default K came from (--draft, the tuned profile, the default)
@@ -297,35 +299,36 @@ struct Server::State {
   }
 
   void install_routes() {
-    http.Get("/", route("/", false, [](const httplib::Request&, httplib::Response& res) {
-               res.set_content(std::string(chat_page_html()), "text/html; charset=utf-8");
-             }));
-    http.Get("/health", route("/health", false, [this](const httplib::Request&, httplib::Response& res) {
-               send_json(res, 200,
-                         {{"status", "ok"},
-                          {"model", defaults.model_id},
-                          {"slots", scheduler->slots()},
-                          {"slots_busy", scheduler->busy_slots()},
-                          {"queued", scheduler->queued()}});
-             }));
-    http.Get("/v1/models", route("/v1/models", true, [this](const httplib::Request&, httplib::Response& res) {
-               send_json(res, 200, models_json());
-             }));
-    http.Get("/metrics", route("/metrics", true, [this](const httplib::Request&, httplib::Response& res) {
-               res.set_content(
-                   metrics.render(scheduler->busy_slots(), scheduler->queued(), scheduler->slots()),
-                   "text/plain; version=0.0.4");
-             }));
-    http.Post("/v1/chat/completions",
-              route("/v1/chat/completions", true,
-                    [this](const httplib::Request& req, httplib::Response& res) { handle_chat(req, res); }));
-    http.Post("/v1/completions",
-              route("/v1/completions", true, [this](const httplib::Request& req, httplib::Response& res) {
-                handle_completion(req, res);
+    http->Get("/", route("/", false, [](const httplib::Request&, httplib::Response& res) {
+                res.set_content(std::string(chat_page_html()), "text/html; charset=utf-8");
               }));
+    http->Get("/health", route("/health", false, [this](const httplib::Request&, httplib::Response& res) {
+                send_json(res, 200,
+                          {{"status", "ok"},
+                           {"model", defaults.model_id},
+                           {"slots", scheduler->slots()},
+                           {"slots_busy", scheduler->busy_slots()},
+                           {"queued", scheduler->queued()}});
+              }));
+    http->Get("/v1/models",
+              route("/v1/models", true, [this](const httplib::Request&, httplib::Response& res) {
+                send_json(res, 200, models_json());
+              }));
+    http->Get("/metrics", route("/metrics", true, [this](const httplib::Request&, httplib::Response& res) {
+                res.set_content(
+                    metrics.render(scheduler->busy_slots(), scheduler->queued(), scheduler->slots()),
+                    "text/plain; version=0.0.4");
+              }));
+    http->Post("/v1/chat/completions",
+               route("/v1/chat/completions", true,
+                     [this](const httplib::Request& req, httplib::Response& res) { handle_chat(req, res); }));
+    http->Post("/v1/completions",
+               route("/v1/completions", true, [this](const httplib::Request& req, httplib::Response& res) {
+                 handle_completion(req, res);
+               }));
     // Errors httplib produces itself (404 for unknown paths, 413 for oversized bodies, 400 for bad
     // requests) get the OpenAI error shape too; the handlers' own errors already have a body.
-    http.set_error_handler(
+    http->set_error_handler(
         httplib::Server::HandlerWithResponse([this](const httplib::Request& req, httplib::Response& res) {
           if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
           std::string message = res.status == 404 ? fmt::format("No route {} {}", req.method, req.path)
@@ -338,7 +341,7 @@ struct Server::State {
           return httplib::Server::HandlerResponse::Handled;
         }));
     if (options.log_requests)
-      http.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+      http->set_logger([](const httplib::Request& req, const httplib::Response& res) {
         std::fprintf(stderr, "[serve] %s %s %d\n", req.method.c_str(), req.path.c_str(), res.status);
       });
   }
@@ -351,6 +354,7 @@ Server::Server(ServerOptions options) : state_(std::make_unique<State>()) {
   if (o.port < 0 || o.port > 65535) invalid_input("--port must be in [0, 65535], got {}", o.port);
   if (o.parallel < 1 || o.parallel > 256) invalid_input("--parallel must be in [1, 256], got {}", o.parallel);
   if (o.max_queue < 0) invalid_input("--queue must be >= 0, got {}", o.max_queue);
+  if (o.request_timeout < 1) invalid_input("--request-timeout must be >= 1, got {}", o.request_timeout);
 
   s.model = Model::load(o.model_dir);
   s.model->use_device(o.device);
@@ -399,21 +403,36 @@ Server::Server(ServerOptions options) : state_(std::make_unique<State>()) {
     invalid_input("--draft must be in [1, {}], got {}", kMaxDraft, d.draft);
   d.mtp = mtp && d.mtp_available;
 
+  // Headers (httplib allows 8 KiB per line) and chunked framing get 1 MiB on top of the body limit.
+  s.http = std::make_unique<BoundedServer>(RequestBounds{
+      .request_timeout = std::chrono::seconds(o.request_timeout),
+      .max_request_bytes = o.max_body_bytes + (size_t{1} << 20),
+      .error_body =
+          [&s](int status) {
+            const std::string message =
+                status == 408
+                    ? fmt::format("The request was not received within {} s", s.options.request_timeout)
+                    : fmt::format("The request body is larger than the limit of {} bytes",
+                                  s.options.max_body_bytes);
+            return dump(error_json(status, message));
+          },
+      .on_refused = [&s](int status) { s.metrics.count_request("other", status); }});
   s.created =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
           .count();
   s.scheduler =
       std::make_unique<Scheduler>(*s.model, *s.tokenizer, s.metrics, o.parallel, o.max_queue, o.threads);
 
-  // Each open response holds one HTTP thread while it waits for tokens: enough threads for every slot
-  // and queue place, plus some for /health, /metrics and quick refusals.
-  const size_t http_threads = static_cast<size_t>(o.parallel + o.max_queue + 8);
-  s.http.new_task_queue = [http_threads] { return new LifoThreadPool(http_threads); };
-  s.http.set_payload_max_length(o.max_body_bytes);
+  // Each open connection holds one HTTP thread (httplib is thread-per-connection): one for every slot and
+  // queue place, plus room for /health, /metrics, quick refusals and clients that connect and are slow to
+  // ask (each held at most --request-timeout). Threads start only when needed.
+  const size_t http_threads = static_cast<size_t>(o.parallel + o.max_queue) + kSpareHttpThreads;
+  s.http->new_task_queue = [http_threads] { return new LifoThreadPool(http_threads); };
+  s.http->set_payload_max_length(o.max_body_bytes);
   // httplib closes a keep-alive connection after 5 requests by default; reconnecting clients then arrive
   // in bursts. An API client reuses its connection for many requests.
-  s.http.set_keep_alive_max_count(kKeepAliveMaxRequests);
-  s.http.set_socket_options([&s](socket_t sock) {
+  s.http->set_keep_alive_max_count(kKeepAliveMaxRequests);
+  s.http->set_socket_options([&s](socket_t sock) {
     httplib::default_socket_options(sock);
     s.listen_socket = sock;
   });
@@ -425,10 +444,10 @@ Server::~Server() { stop(); }
 int Server::bind() {
   State& s = *state_;
   if (s.options.port == 0) {
-    s.port = s.http.bind_to_any_port(s.options.host);
+    s.port = s.http->bind_to_any_port(s.options.host);
     if (s.port < 0) invalid_input("cannot bind to {} (any port)", s.options.host);
   } else {
-    if (!s.http.bind_to_port(s.options.host, s.options.port))
+    if (!s.http->bind_to_port(s.options.host, s.options.port))
       invalid_input("cannot bind to {}:{} (in use, or not an address of this machine)", s.options.host,
                     s.options.port);
     s.port = s.options.port;
@@ -440,12 +459,12 @@ int Server::bind() {
   return s.port;
 }
 
-void Server::serve() { state_->http.listen_after_bind(); }
+void Server::serve() { state_->http->listen_after_bind(); }
 
 void Server::stop() {
   // Finish the jobs first: httplib joins its threads on stop, and those threads wait for their jobs.
   state_->scheduler->shutdown();
-  state_->http.stop();
+  state_->http->stop();
 }
 
 std::string Server::describe() const {

@@ -23,6 +23,7 @@ struct ServerOptions {
   bool mtp = true;             // MTP on by default (when the model has a head)
   int64_t context = 0;         // positions per request; 0: min(model's maximum, 8192)
   size_t max_body_bytes = size_t{8} << 20;
+  int request_timeout = 20;  // seconds for a request's line, headers and body to arrive (then 408)
   bool log_requests = true;  // one line per request on stderr
 };
 

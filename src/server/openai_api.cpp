@@ -467,6 +467,9 @@ nlohmann::json error_json(int status, const std::string& message) {
     case 404:
       code = message.rfind("The model", 0) == 0 ? "model_not_found" : "not_found";
       break;
+    case 408:
+      code = "request_timeout";
+      break;
     case 413:
       code = "request_too_large";
       break;

@@ -1,8 +1,10 @@
 // mtpx serve: the flags of the OpenAI-compatible server, and its life cycle (bind, serve, stop on
 // SIGINT/SIGTERM).
 #include <pthread.h>
+#include <sys/resource.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <thread>
@@ -31,6 +33,14 @@ int run_serve(ServeFlags& f) {
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);  // a client that hangs up is a failed write, not the end of the server
+  // One descriptor per connection: the usual soft limit (1024) is below the HTTP threads' maximum.
+  if (rlimit files{}; getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    const rlim_t wanted = std::min<rlim_t>(files.rlim_max, 65536);
+    if (files.rlim_cur < wanted) {
+      files.rlim_cur = wanted;
+      setrlimit(RLIMIT_NOFILE, &files);
+    }
+  }
 
   server::Server server(f.options);
   const int port = server.bind();
@@ -75,6 +85,9 @@ std::function<int()> add_serve_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   app.add_option("--max-body", o.max_body_bytes, "largest request body in bytes (default 8 MiB; larger: 413)")
       ->check(CLI::Range(size_t{1024}, size_t{1} << 30));
+  app.add_option("--request-timeout", o.request_timeout,
+                 "seconds a client has to send a whole request, headers and body (default 20; then 408)")
+      ->check(CLI::Range(1, 3600));
   app.add_flag("--quiet", f->quiet, "no request log on stderr");
   return [f] { return run_serve(*f); };
 }

@@ -2,19 +2,19 @@
 
 namespace mtpx::server {
 
-LifoThreadPool::LifoThreadPool(size_t threads) {
-  std::lock_guard lock(mutex_);
-  for (size_t i = 0; i < threads; ++i) {
-    workers_.push_back(std::make_unique<Worker>());
-    Worker* w = workers_.back().get();
-    w->thread = std::thread([this, w] { work(*w); });
-  }
-}
+LifoThreadPool::LifoThreadPool(size_t max_threads) : max_threads_(max_threads) {}
 
 LifoThreadPool::~LifoThreadPool() { shutdown(); }
 
 void LifoThreadPool::enqueue(std::function<void()> job) {
   std::lock_guard lock(mutex_);
+  if (idle_.empty() && workers_.size() < max_threads_ && !shutting_down_) {
+    workers_.push_back(std::make_unique<Worker>());
+    Worker* w = workers_.back().get();
+    w->job = std::move(job);
+    w->thread = std::thread([this, w] { work(*w); });
+    return;
+  }
   if (idle_.empty()) {
     backlog_.push_back(std::move(job));
     return;

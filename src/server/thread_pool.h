@@ -1,7 +1,9 @@
 // The HTTP server's worker threads: httplib's task queue interface, but the most recently idle thread
 // takes the next connection. httplib's own pool wakes threads in turn, so over time every thread of a
 // large pool touches its stack and malloc arena; here only as many threads as were ever busy at once
-// are warm, and the server's memory follows its peak concurrency instead of its thread count.
+// are warm, and the server's memory follows its peak concurrency instead of its thread count. Threads
+// start when first needed, so a large maximum (room for clients that hold a connection without asking
+// anything: slow or idle ones) costs nothing until it is used.
 #pragma once
 
 #include <httplib.h>
@@ -18,7 +20,7 @@ namespace mtpx::server {
 
 class LifoThreadPool : public httplib::TaskQueue {
  public:
-  explicit LifoThreadPool(size_t threads);
+  explicit LifoThreadPool(size_t max_threads);
   ~LifoThreadPool() override;
 
   void enqueue(std::function<void()> job) override;
@@ -33,6 +35,7 @@ class LifoThreadPool : public httplib::TaskQueue {
   };
   void work(Worker& worker);
 
+  const size_t max_threads_;
   std::mutex mutex_;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::vector<Worker*> idle_;                  // a stack: back() went idle last

@@ -2,13 +2,10 @@
 // reference implementation produces and that is not implemented here is rejected with an error naming
 // the file and the field.
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <stdexcept>
 
+#include "io/json_file.h"
 #include "tokenizer/tokenizer_impl.h"
 #include "tokenizer/utf8.h"
 #include "util/error.h"
@@ -82,12 +79,7 @@ class Loader {
 };
 
 void Loader::load(std::string_view text, TokenizerData& impl) {
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::exception& e) {
-    invalid_input("tokenizer file {}: not valid JSON: {}", path_.string(), e.what());
-  }
+  const json root = parse_json_strict(text, fmt::format("tokenizer file {}", printable(path_.native())));
   if (!root.is_object()) fail("(top level)", "expected a JSON object, found {}", root.type_name());
 
   impl.path = path_;
@@ -344,11 +336,7 @@ void Loader::check_decoder(const json& node, std::string_view field) {
 }  // namespace
 
 Tokenizer Tokenizer::from_file(const std::filesystem::path& tokenizer_json) {
-  std::ifstream in(tokenizer_json, std::ios::binary);
-  if (!in) invalid_input("cannot open tokenizer file {}: {}", tokenizer_json.string(), std::strerror(errno));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  return from_json(buffer.str(), tokenizer_json);
+  return from_json(read_small_file(tokenizer_json, kMaxTokenizerFileBytes), tokenizer_json);
 }
 
 Tokenizer Tokenizer::from_json(std::string_view json_text, const std::filesystem::path& source) {

@@ -1,9 +1,13 @@
 #include "tools/checkpoint.h"
 
+#include <fcntl.h>
 #include <fmt/core.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -410,6 +414,54 @@ void write_json_file(const std::filesystem::path& path, const json& value) {
   }
 }
 
+namespace {
+
+bool process_alive(pid_t pid) { return ::kill(pid, 0) == 0 || errno == EPERM; }
+
+// fsync of a file or directory (best effort: a failure only weakens durability after a power loss).
+void sync_path(const std::filesystem::path& path, bool directory) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (directory ? O_DIRECTORY : 0));
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+// What runs that no longer exist (killed, crashed, cut off by a power loss) left next to `target`: their
+// staging directories ".NAME.tmp-PID", incomplete, are removed; a ".NAME.tmp-PID.old" is a previous
+// version of the target moved aside by a replacing commit: when the target is missing (the run died
+// between the two renames) it is moved back, else removed. Directories of runs still alive are left.
+void clean_stale_staging(const std::filesystem::path& parent, const std::string& name,
+                         const std::filesystem::path& target) {
+  namespace fs = std::filesystem;
+  const std::string prefix = "." + name + ".tmp-";
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const auto& entry : fs::directory_iterator(parent, ec)) {
+    const std::string file = entry.path().filename().string();
+    if (!file.starts_with(prefix)) continue;
+    std::string pid_text = file.substr(prefix.size());
+    if (pid_text.ends_with(".old")) pid_text.resize(pid_text.size() - 4);
+    if (pid_text.empty() || pid_text.find_first_not_of("0123456789") != std::string::npos ||
+        pid_text.size() > 9)
+      continue;
+    const auto pid = static_cast<pid_t>(std::stol(pid_text));
+    if (pid != ::getpid() && !process_alive(pid)) stale.push_back(entry.path());
+  }
+  for (const fs::path& path : stale) {
+    if (path.filename().string().ends_with(".old") && !fs::exists(target, ec)) {
+      fs::rename(path, target, ec);
+      if (!ec) {
+        std::fprintf(stderr, "note: restored '%s' from '%s', left by an interrupted run\n", target.c_str(),
+                     path.c_str());
+        continue;
+      }
+    }
+    fs::remove_all(path, ec);
+  }
+}
+
+}  // namespace
+
 AtomicDirectory::AtomicDirectory(const std::filesystem::path& target, bool replace)
     : target_(target), replace_(replace) {
   namespace fs = std::filesystem;
@@ -417,6 +469,7 @@ AtomicDirectory::AtomicDirectory(const std::filesystem::path& target, bool repla
   const fs::path parent = fs::absolute(target_).parent_path();
   if (!fs::is_directory(parent))
     invalid_input("--out '{}': the parent directory does not exist", target_.string());
+  clean_stale_staging(parent, fs::absolute(target_).filename().string(), target_);
   if (fs::exists(target_) && !replace_)
     invalid_input("--out '{}' already exists (choose a new directory or pass --force)", target_.string());
   staging_ = parent / fmt::format(".{}.tmp-{}", fs::absolute(target_).filename().string(), ::getpid());
@@ -436,6 +489,11 @@ AtomicDirectory::~AtomicDirectory() {
 void AtomicDirectory::commit() {
   namespace fs = std::filesystem;
   std::error_code ec;
+  // Contents on disk before the rename makes them visible: after a power loss the target is then the old
+  // directory or the complete new one (a killed process needs none of this: its writes are in the cache).
+  for (const auto& entry : fs::directory_iterator(staging_, ec))
+    if (entry.is_regular_file(ec)) sync_path(entry.path(), false);
+  sync_path(staging_, true);
   if (replace_ && fs::exists(target_)) {
     // Move the old directory aside first so that a crash between the two renames leaves one of them.
     const fs::path old = staging_.string() + ".old";
@@ -453,6 +511,7 @@ void AtomicDirectory::commit() {
            ec.message());
   }
   committed_ = true;
+  sync_path(fs::absolute(target_).parent_path(), true);
 }
 
 }  // namespace mtpx::tools

@@ -81,9 +81,12 @@ int64_t write_checkpoint_tensors(const std::filesystem::path& dir,
 // Writes a JSON file atomically (temporary file + rename).
 void write_json_file(const std::filesystem::path& path, const nlohmann::json& value);
 
-// An output directory that appears all at once: files go into a staging directory next to the target,
-// commit() renames it into place; destroyed without commit() (an error, an interruption), the staging
-// directory is removed and the target is untouched. The target must not exist unless `replace` is set.
+// An output directory that appears all at once: files go into a staging directory next to the target
+// (".NAME.tmp-PID"), commit() syncs them and renames it into place; destroyed without commit() (an error),
+// the staging directory is removed and the target is untouched. A run that is killed leaves its staging
+// directory: the next run for the same target removes it (or, when the kill came between the two renames
+// of a replacing commit, puts the previous target back). The target must not exist unless `replace` is
+// set.
 class AtomicDirectory {
  public:
   AtomicDirectory(const std::filesystem::path& target, bool replace);

@@ -146,14 +146,7 @@ json inspect_model(const std::filesystem::path& dir, const InspectOptions& o) {
     fail(ErrorKind::kNotFound, "'{}' has no config.json (not a Hugging Face model directory)", dir.string());
   json report = {{"path", dir.string()}};
   const json config_root = read_json_file(config_path);
-  ModelConfig c;
-  try {
-    c = parse_model_config(config_root, config_path.string());
-  } catch (const Error& e) {
-    report["can_run"] = false;
-    report["reason"] = e.what();
-    return report;
-  }
+  ModelConfig c = parse_model_config(config_root, config_path.string());
   json layer_counts = {{"linear_attention", c.num_linear_attention_layers()},
                        {"full_attention", c.num_full_attention_layers()}};
   report["architecture"] = c.architecture;
@@ -171,16 +164,9 @@ json inspect_model(const std::filesystem::path& dir, const InspectOptions& o) {
                      {"max_position_embeddings", c.max_position_embeddings}};
   if (config_root.contains("quantization")) report["quantization"] = config_root["quantization"];
 
-  std::unique_ptr<TensorStore> store;
-  try {
-    store = std::make_unique<TensorStore>(TensorStore::open_directory(dir));
-    if (std::filesystem::exists(dir / "mtp.safetensors") && store->find("mtp.fc.weight") == nullptr)
-      store->add_file(dir / "mtp.safetensors");
-  } catch (const Error& e) {
-    report["can_run"] = false;
-    report["reason"] = e.what();
-    return report;
-  }
+  auto store = std::make_unique<TensorStore>(TensorStore::open_directory(dir));
+  if (std::filesystem::exists(dir / "mtp.safetensors") && store->find("mtp.fc.weight") == nullptr)
+    store->add_file(dir / "mtp.safetensors");
   report["components"] = tally_tensors(*store, config_root);
 
   // Resolving the weights checks every name, shape and dtype; it reads only the small vectors.
@@ -189,24 +175,14 @@ json inspect_model(const std::filesystem::path& dir, const InspectOptions& o) {
   report["layout"] = convention.tensor_prefix == "language_model.model." ? "mlx" : "huggingface";
   report["norms_stored_as"] =
       convention.norm_offset == 0.0f ? "1+w (MLX)" : "w (zero-centered, Hugging Face)";
-  std::string trunk_error;
-  int64_t matrix_bytes = 0;
-  bool tied = false;
-  try {
-    const ModelWeights w = load_model_weights(*store, c, convention.norm_offset);
-    matrix_bytes = w.matrix_bytes;
-    tied = w.tied;
-  } catch (const Error& e) {
-    trunk_error = e.what();
-  }
-  report["tied_embeddings"] = tied;
+  const ModelWeights w = load_model_weights(*store, c, convention.norm_offset);
+  const int64_t matrix_bytes = w.matrix_bytes;
+  report["tied_embeddings"] = w.tied;
 
   MtpStatus status;
-  std::optional<MtpWeights> head;
-  if (trunk_error.empty()) head = load_mtp_weights(*store, c, status, convention.norm_offset);
+  const std::optional<MtpWeights> head = load_mtp_weights(*store, c, status, convention.norm_offset);
   const char* kinds[] = {"present", "absent", "incomplete", "incompatible"};
-  report["mtp"] = {{"status", trunk_error.empty() ? kinds[static_cast<int>(status.kind)] : "unknown"},
-                   {"detail", status.detail}};
+  report["mtp"] = {{"status", kinds[static_cast<int>(status.kind)]}, {"detail", status.detail}};
   if (head) report["mtp"]["bytes"] = head->matrix_bytes;
 
   report["tokenizer"] = tokenizer_summary(dir);
@@ -236,9 +212,23 @@ json inspect_model(const std::filesystem::path& dir, const InspectOptions& o) {
                       {"scratch_bytes", scratch},
                       {"total_bytes", total},
                       {"available_bytes", available}};
-  if (!trunk_error.empty()) {
+  // NaN or Inf in a weight: generate would stop with an error naming the tensor (Model::fail_non_finite).
+  std::string non_finite_reason;
+  if (o.check_values) {
+    json non_finite = json::array();
+    for (const std::string& name : store->names()) {
+      const int64_t bad = count_non_finite(*store->find(name));
+      if (bad > 0) non_finite.push_back({{"tensor", name}, {"count", bad}});
+    }
+    if (!non_finite.empty())
+      non_finite_reason =
+          fmt::format("{} tensor(s) hold NaN or Inf values, first '{}' ({} values)", non_finite.size(),
+                      non_finite[0]["tensor"].get<std::string>(), non_finite[0]["count"].get<int64_t>());
+    report["non_finite"] = non_finite;
+  }
+  if (!non_finite_reason.empty()) {
     report["can_run"] = false;
-    report["reason"] = trunk_error;
+    report["reason"] = non_finite_reason;
   } else if (available > 0 && total > available) {
     report["can_run"] = false;
     report["reason"] =
@@ -313,6 +303,13 @@ std::string render_inspect_report(const json& r) {
                      human_bytes(m["weights_bytes"].get<double>()),
                      human_bytes(m["state_bytes"].get<double>()),
                      human_bytes(m["available_bytes"].get<double>()));
+  }
+  if (r.contains("non_finite")) {
+    std::string tensors;
+    for (const auto& t : r["non_finite"])
+      tensors +=
+          fmt::format("{}{} ({})", tensors.empty() ? "" : ", ", t.value("tensor", ""), t.value("count", 0));
+    s << fmt::format("values     {}\n", tensors.empty() ? "all finite" : "NaN/Inf in " + tensors);
   }
   s << fmt::format("can run    {}: {}\n", r.value("can_run", false) ? "yes" : "no", r.value("reason", ""));
   return s.str();

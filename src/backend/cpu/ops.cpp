@@ -1,5 +1,8 @@
 #include "backend/cpu/ops.h"
 
+#include <algorithm>
+#include <cstring>
+
 namespace mtpx::cpu {
 
 // The hot inner loops of attention and the delta rule: compiled for AVX2+FMA and for baseline x86-64,
@@ -37,6 +40,17 @@ MTPX_MULTIVERSION float dot(const float* a, const float* b, int64_t n) {
 
 MTPX_MULTIVERSION void axpy(float a, const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+bool all_finite(const float* x, int64_t n) {
+  // On the bits (an all-ones exponent is NaN or Inf): vectorizes, and -ffast-math could not fold it away.
+  uint32_t worst = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &x[i], 4);
+    worst = std::max(worst, bits & 0x7f800000u);
+  }
+  return worst != 0x7f800000u;
 }
 
 }  // namespace mtpx::cpu

@@ -31,4 +31,7 @@ float dot(const float* a, const float* b, int64_t n);
 // y[i] += a * x[i]
 void axpy(float a, const float* x, int64_t n, float* y);
 
+// True when no element is NaN or +-Inf.
+bool all_finite(const float* x, int64_t n);
+
 }  // namespace mtpx::cpu
