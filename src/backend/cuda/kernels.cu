@@ -1,4 +1,3 @@
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -6,6 +5,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "backend/cuda/cublas_api.h"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/runtime.h"
 #include "util/error.h"
@@ -579,8 +579,8 @@ void gemm(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate,
   const int rows = static_cast<int>(w.rows), cols = static_cast<int>(w.cols), n = static_cast<int>(m);
   const float alpha = 1.0f, beta0 = accumulate ? 1.0f : 0.0f, beta1 = 1.0f;
   if (w.type == Dtype::kF32) {
-    check_cublas(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha,
-                             static_cast<const float*>(w.data), cols, x, cols, &beta0, y, rows),
+    check_cublas(cublas_api().sgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha,
+                                    static_cast<const float*>(w.data), cols, x, cols, &beta0, y, rows),
                  "sgemm");
     return;
   }
@@ -595,12 +595,14 @@ void gemm(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate,
     split_to<<<elementwise_blocks(count), 256, 0, s>>>(x, static_cast<__half*>(hi), static_cast<__half*>(lo),
                                                        count);
   check_launch("split_to");
-  check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data, type, cols, hi, type,
-                            cols, &beta0, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               "gemm");
-  check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data, type, cols, lo, type,
-                            cols, &beta1, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-               "gemm");
+  check_cublas(
+      cublas_api().gemm_ex(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data, type, cols, hi, type,
+                           cols, &beta0, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "gemm");
+  check_cublas(
+      cublas_api().gemm_ex(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data, type, cols, lo, type,
+                           cols, &beta1, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "gemm");
 }
 
 }  // namespace

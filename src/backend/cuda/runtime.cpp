@@ -1,10 +1,10 @@
 #include "backend/cuda/runtime.h"
 
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <chrono>
 
+#include "backend/cuda/cublas_api.h"
 #include "util/error.h"
 
 namespace mtpx::cuda {
@@ -29,7 +29,7 @@ std::string unavailable_reason() {
     return cudaGetErrorString(e);
   }
   if (count == 0) return "no CUDA device";
-  return "";
+  return cublas_load_error();
 }
 
 DeviceInfo device_info() {
@@ -90,15 +90,16 @@ Stream::Stream() {
   cudaStream_t s = nullptr;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = s;
+  const CublasApi& blas = cublas_api();
   cublasHandle_t h = nullptr;
-  check(cublasCreate(&h), "cublasCreate");
+  check(blas.create(&h), "cublasCreate");
   cublas_ = h;
-  check(cublasSetStream(h, s), "cublasSetStream");
+  check(blas.set_stream(h, s), "cublasSetStream");
   // Deterministic results run to run (no split-K atomics).
-  check(cublasSetAtomicsMode(h, CUBLAS_ATOMICS_NOT_ALLOWED), "cublasSetAtomicsMode");
+  check(blas.set_atomics_mode(h, CUBLAS_ATOMICS_NOT_ALLOWED), "cublasSetAtomicsMode");
 }
 Stream::~Stream() {
-  if (cublas_ != nullptr) cublasDestroy(static_cast<cublasHandle_t>(cublas_));
+  if (cublas_ != nullptr) cublas_api().destroy(static_cast<cublasHandle_t>(cublas_));
   if (stream_ != nullptr) cudaStreamDestroy(as_stream(stream_));
 }
 void Stream::synchronize() const {
@@ -166,10 +167,10 @@ double bf16_gemm_rate(int n, int reps) {
   const float alpha = 1.0f, beta = 0.0f;
   const auto h = static_cast<cublasHandle_t>(s.cublas());
   const double t = seconds_per_rep(s, reps, [&] {
-    check(
-        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a.data(), CUDA_R_16BF, n, b.data(),
-                     CUDA_R_16BF, n, &beta, c.data(), CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-        "cublasGemmEx");
+    check(cublas_api().gemm_ex(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a.data(), CUDA_R_16BF, n,
+                               b.data(), CUDA_R_16BF, n, &beta, c.data(), CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT),
+          "cublasGemmEx");
   });
   return 2.0 * n * static_cast<double>(n) * n / t;
 }
