@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/cpu/matmul.h"
 #include "model/device.h"
 #include "model/qwen35.h"
 #include "model/shapes.h"
@@ -38,8 +39,24 @@ double median(std::vector<double> v) {
 // (unless tied, when it is the lm_head).
 int64_t bytes_per_token(const mtpx::Model& m) {
   const auto& w = m.weights();
-  const int64_t embed = w.embed_tokens.rows * w.embed_tokens.cols * 2;
+  const int64_t embed = mtpx::cpu::weight_bytes(w.embed_tokens);
   return w.tied ? w.matrix_bytes : w.matrix_bytes - embed;
+}
+
+// Multiply-adds per token of the trunk's matrices (the prefill FLOP count is twice this per token).
+double macs_per_token(const mtpx::Model& m) {
+  const auto& w = m.weights();
+  double macs = static_cast<double>(w.lm_head.rows * w.lm_head.cols);
+  auto add = [&](const mtpx::cpu::WeightMatrix& x) { macs += static_cast<double>(x.rows * x.cols); };
+  for (const auto& l : w.layers) {
+    if (l.attention)
+      add(l.attention->q_proj), add(l.attention->k_proj), add(l.attention->v_proj), add(l.attention->o_proj);
+    if (l.delta_net)
+      add(l.delta_net->in_proj_qkv), add(l.delta_net->in_proj_z), add(l.delta_net->in_proj_b),
+          add(l.delta_net->in_proj_a), add(l.delta_net->out_proj);
+    add(l.mlp.gate_proj), add(l.mlp.up_proj), add(l.mlp.down_proj);
+  }
+  return macs;
 }
 
 }  // namespace
@@ -52,6 +69,9 @@ int main(int argc, char** argv) {
   bool json = false;
   int64_t profile_steps = 0;
   app.add_option("--shape", shape, "model shape (spec §9)");
+  std::string model_dir;
+  app.add_option("--model", model_dir,
+                 "a checkpoint instead of a synthetic shape (e.g. mtpx synth --shape 9B --bits 4 --mtp)");
   app.add_option("--profile-steps", profile_steps,
                  "only run a 32-token prompt and this many decode steps (for a profiler), then exit");
   app.add_option("--decode-tokens", decode_tokens);
@@ -67,7 +87,8 @@ int main(int argc, char** argv) {
   try {
     using namespace mtpx;
     if (profile_steps > 0) {
-      auto m = Model::synthetic(shape_config(shape), 1, /*with_mtp=*/false);
+      auto m = model_dir.empty() ? Model::synthetic(shape_config(shape), 1, /*with_mtp=*/false)
+                                 : Model::load(model_dir);
       m->use_device("cuda");
       InferenceState st = m->new_state(64 + profile_steps);
       ForwardResult out;
@@ -84,7 +105,9 @@ int main(int argc, char** argv) {
     report["bf16_gemm_TFLOPs"] = gemm / 1e12;
 
     auto t_build = Clock::now();
-    auto model = Model::synthetic(shape_config(shape), 1, /*with_mtp=*/true);
+    auto model = model_dir.empty() ? Model::synthetic(shape_config(shape), 1, /*with_mtp=*/true)
+                                   : Model::load(model_dir);
+    if (!model_dir.empty()) report["model"] = model_dir;
     const double build_s = seconds_since(t_build);
     t_build = Clock::now();
     model->use_device("cuda");
@@ -145,8 +168,7 @@ int main(int argc, char** argv) {
         times.push_back(seconds_since(t));
       }
       const double secs = median(times);
-      const double flops =
-          2.0 * static_cast<double>(bytes_per_token(*model) / 2) * static_cast<double>(prefill_tokens);
+      const double flops = 2.0 * macs_per_token(*model) * static_cast<double>(prefill_tokens);
       report["prefill_tokens"] = prefill_tokens;
       report["prefill_tok_s"] = static_cast<double>(prefill_tokens) / secs;
       report["prefill_matmul_TFLOPs"] = flops / secs / 1e12;
@@ -154,7 +176,7 @@ int main(int argc, char** argv) {
     }
 
     // MTP at a synthetic acceptance, greedy, side by side with plain decoding in the same run.
-    if (mtp_tokens > 0) {
+    if (mtp_tokens > 0 && model->mtp() != nullptr) {
       tools::BenchProtocol p;
       p.prompts = {ids(32, 5)};
       p.max_tokens = mtp_tokens;

@@ -3,8 +3,9 @@
 #
 #   scripts/gpu_check.sh [BIN_DIR] [--quick]
 #
-# BIN_DIR holds mtpx_tests and bench_cuda (a build directory, or a folder of binaries carried from the
-# build machine with their shared libraries in BIN_DIR/lib). --quick skips the 9B benchmark.
+# BIN_DIR holds mtpx, mtpx_tests and bench_cuda (a build directory, or a folder of binaries carried from
+# the build machine with their shared libraries in BIN_DIR/lib). --quick skips the 9B benchmarks. The
+# 4-bit 9B benchmark runs on a checkpoint written first by `mtpx synth --bits 4` (about 5.5 GB in $TMPDIR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-build}
@@ -15,15 +16,21 @@ export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 status=0
-"$bin/mtpx_tests" --gtest_filter='Cuda*:*CudaFixture*' --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" || status=1
+"$bin/mtpx_tests" --gtest_filter='Cuda*:*CudaFixture*:*CudaQuantized*' --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" || status=1
 passed=$(grep -c '^\[       OK \]' "$out/gpu_tests.log" || true)
 failed=$(grep -c '^\[  FAILED  \]' "$out/gpu_tests.log" || true)
 passed=$(grep -oP '\[  PASSED  \] \K[0-9]+' "$out/gpu_tests.log" || echo 0)
 
-shapes="0.8B 9B"
+shapes="0.8B 9B 9B-q4"
 [ "$quick" = "--quick" ] && shapes="0.8B"
 for s in $shapes; do
-  "$bin/bench_cuda" --shape "$s" --json > "$out/bench_$s.json" 2> "$out/bench_$s.err" || { status=1; cat "$out/bench_$s.err"; }
+  args=(--shape "$s")
+  if [ "$s" = "9B-q4" ]; then
+    dir=${TMPDIR:-/tmp}/mtpx_9b_q4
+    [ -d "$dir" ] || "$bin/mtpx" synth --shape 9B --bits 4 --group-size 64 --mtp --out "$dir" >/dev/null || status=1
+    args=(--model "$dir")
+  fi
+  "$bin/bench_cuda" "${args[@]}" --json > "$out/bench_$s.json" 2> "$out/bench_$s.err" || { status=1; cat "$out/bench_$s.err"; }
 done
 
 python3 - "$out" "$passed" "$failed" $shapes <<'PY'

@@ -14,6 +14,7 @@
 #include "model/device.h"
 #include "model/mtp_head.h"
 #include "model/qwen35.h"
+#include "util/bf16.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -95,13 +96,16 @@ class CudaExecutor final : public DeviceExecutor {
     Buffer tokens, x, normed, hidden, joined, qg, k, v, attn_o, qkv, xconv, z, b, a, g, beta, dn_o, gate, up,
         rounded;
   };
+  const void* upload_bytes(const void* host, size_t bytes);
   Matrix upload(const cpu::WeightMatrix& w, const char* what);
   const float* upload(const std::vector<float>& v);
   DeviceLayer upload(const LayerWeights& layer);
   void ensure_scratch(int64_t rows) const;
   void layer_forward(const DeviceLayer& layer, CudaSequence& seq, int64_t layer_index, DeviceKv* kv,
                      int64_t t_count, bool record_window) const;
-  cuda::Workspace workspace() const { return {stream_.handle(), stream_.cublas(), scratch_.rounded.data()}; }
+  cuda::Workspace workspace() const {
+    return {stream_.handle(), stream_.cublas(), scratch_.rounded.data(), dequant_.data()};
+  }
   void mm(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate = false) const {
     cuda::matmul(w, x, m, y, accumulate, workspace());
   }
@@ -120,6 +124,7 @@ class CudaExecutor final : public DeviceExecutor {
   mutable std::mutex mutex_;  // one pass at a time: the scratch buffers are shared
   cuda::Stream stream_;
   std::vector<Buffer> arena_;               // every uploaded tensor
+  Buffer dequant_;                          // affine weights on the prompt path (when there are any)
   std::map<const void*, Matrix> uploaded_;  // host data -> device matrix (tied weights upload once)
   Matrix embed_tokens_, lm_head_;
   const float* final_norm_ = nullptr;
@@ -133,7 +138,7 @@ class CudaExecutor final : public DeviceExecutor {
                                         // (grown on demand: only kAll passes need > 1 row)
 };
 
-cuda::Dtype device_dtype(cpu::WeightType t, const char* what) {
+cuda::Dtype device_dtype(cpu::WeightType t) {
   switch (t) {
     case cpu::WeightType::kF32:
       return cuda::Dtype::kF32;
@@ -144,8 +149,7 @@ cuda::Dtype device_dtype(cpu::WeightType t, const char* what) {
     case cpu::WeightType::kAffine:
       break;
   }
-  fail(ErrorKind::kUnsupported,
-       "--device cuda: quantized weights ({}) are not supported yet; use a bf16 checkpoint", what);
+  return cuda::Dtype::kAffine;
 }
 
 size_t dtype_bytes(cuda::Dtype t) { return t == cuda::Dtype::kF32 ? 4 : 2; }
@@ -179,15 +183,54 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
   if (const char* g = std::getenv("MTPX_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
 }
 
-Matrix CudaExecutor::upload(const cpu::WeightMatrix& w, const char* what) {
-  if (auto it = uploaded_.find(w.data); it != uploaded_.end()) return it->second;
-  Matrix m{device_dtype(w.type, what), nullptr, w.rows, w.cols};
-  const size_t bytes = static_cast<size_t>(w.rows * w.cols) * dtype_bytes(m.type);
+const void* CudaExecutor::upload_bytes(const void* host, size_t bytes) {
   Buffer b(bytes);
-  stream_.to_device(b.data(), w.data, bytes);
-  m.data = b.data();
+  stream_.to_device(b.data(), host, bytes);
+  const void* p = b.data();
   weight_bytes_ += static_cast<int64_t>(bytes);
   arena_.push_back(std::move(b));
+  return p;
+}
+
+Matrix CudaExecutor::upload(const cpu::WeightMatrix& w, const char* what) {
+  if (auto it = uploaded_.find(w.data); it != uploaded_.end()) return it->second;
+  Matrix m;
+  m.type = device_dtype(w.type);
+  m.rows = w.rows, m.cols = w.cols;
+  if (m.type != cuda::Dtype::kAffine) {
+    m.data = upload_bytes(w.data, static_cast<size_t>(w.rows * w.cols) * dtype_bytes(m.type));
+  } else {
+    if (const char* why = cuda::affine_unsupported(w.bits, w.group_size, w.cols); *why != '\0')
+      fail(ErrorKind::kUnsupported, "--device cuda: quantized {} ({} bits, group {}): {}", what, w.bits,
+           w.group_size, why);
+    m.bits = w.bits, m.group_size = w.group_size;
+    m.data = upload_bytes(w.data, static_cast<size_t>(w.rows * w.cols / 32 * w.bits) * 4);
+    const size_t n = static_cast<size_t>(w.rows * (w.cols / w.group_size));
+    // Scales and biases keep their bf16 or float32 type; float16 ones are widened to float32 (exact).
+    auto widened = [&](const void* p) {
+      std::vector<float> f(n);
+      const auto* h = static_cast<const uint16_t*>(p);
+      for (size_t i = 0; i < n; ++i) f[i] = f16_to_f32(h[i]);
+      const void* d = upload_bytes(f.data(), n * sizeof(float));
+      stream_.synchronize();  // f is about to go away
+      return d;
+    };
+    switch (w.scale_type) {
+      case cpu::WeightType::kBF16:
+        m.scale_type = cuda::Dtype::kBF16;
+        m.scales = upload_bytes(w.scales, n * 2), m.biases = upload_bytes(w.biases, n * 2);
+        break;
+      case cpu::WeightType::kF32:
+        m.scale_type = cuda::Dtype::kF32;
+        m.scales = upload_bytes(w.scales, n * 4), m.biases = upload_bytes(w.biases, n * 4);
+        break;
+      default:
+        m.scale_type = cuda::Dtype::kF32;
+        m.scales = widened(w.scales), m.biases = widened(w.biases);
+        break;
+    }
+    if (dequant_.bytes() == 0) dequant_ = Buffer(static_cast<size_t>(cuda::kDequantBytes));
+  }
   uploaded_[w.data] = m;
   return m;
 }

@@ -2,10 +2,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
+#include "backend/cuda/affine.h"
 #include "backend/cuda/cublas_api.h"
+#include "backend/cuda/device_math.cuh"
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/runtime.h"
 #include "util/error.h"
@@ -15,12 +18,6 @@ namespace {
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-  // Butterfly in a fixed order: every lane ends with the same, reproducible total.
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 // Sum over the block in a fixed order (per warp, then the warps in index order). Every thread gets it.
 __device__ float block_sum(float v, float* scratch /* [32] shared */) {
@@ -33,14 +30,6 @@ __device__ float block_sum(float v, float* scratch /* [32] shared */) {
   for (int w = 0; w < warps; ++w) total += scratch[w];
   return total;
 }
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // Eight consecutive weights (16- or 32-byte aligned) widened to float32.
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, float out[8]) {
@@ -73,11 +62,8 @@ __device__ __forceinline__ void load8(const float* p, float out[8]) {
 // the same k order) does not depend on M or on which features share the warp: batch-invariant.
 // Several matrices with the same input can run in one launch (q/k/v; the DeltaNet projections), and
 // the epilogue can add into y (residual) or combine gate and up (SwiGLU).
-constexpr int kGemvWarps = 8;
 constexpr int kGemvRows = 4;  // weight rows per warp: each x load serves 4 rows (2 for small matrices)
 constexpr int kMaxGroup = 4;
-
-enum Mode { kStore = 0, kAccumulate = 1, kSwiglu = 2 };
 
 template <typename W>
 struct GemvGroup {
@@ -544,6 +530,7 @@ namespace {
 
 template <int MODE>
 void row_kernels(const Matrix* ws, int count, const float* x, int64_t m, float* const* ys, cudaStream_t s) {
+  if (ws[0].type == Dtype::kAffine) return affine::rows(MODE, ws, count, x, m, ys, s);
   auto fill = [&](auto* typed_null) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(typed_null)>>;
     GemvGroup<W> g{};
@@ -566,16 +553,19 @@ void row_kernels(const Matrix* ws, int count, const float* x, int64_t m, float* 
     case Dtype::kF32:
       fill(static_cast<const float*>(nullptr));
       break;
+    case Dtype::kAffine:
+      break;
   }
   check_launch("gemv");
 }
 
 // y (+)= x W^T through cuBLAS, row-major y[m, rows] = column-major y^T = W x^T with W^T stored [cols, rows].
 // bf16/f16 weights: x is split as x_hi + x_lo, both in the weight's dtype (two products, f32 accumulation),
-// so the prompt keeps ~16 bits of its float32 activations instead of bf16's 8.
-void gemm(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate, void* scratch,
-          cudaStream_t s, void* cublas) {
-  const auto h = static_cast<cublasHandle_t>(cublas);
+// so the prompt keeps ~16 bits of its float32 activations instead of bf16's 8. Affine weights: blocks of
+// rows are dequantized to bf16 (Workspace::dequant) and multiplied as bf16 weights.
+void gemm(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate, const Workspace& ws) {
+  const cudaStream_t s = as_stream(ws.stream);
+  const auto h = static_cast<cublasHandle_t>(ws.cublas);
   const int rows = static_cast<int>(w.rows), cols = static_cast<int>(w.cols), n = static_cast<int>(m);
   const float alpha = 1.0f, beta0 = accumulate ? 1.0f : 0.0f, beta1 = 1.0f;
   if (w.type == Dtype::kF32) {
@@ -584,33 +574,52 @@ void gemm(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate,
                  "sgemm");
     return;
   }
-  const cudaDataType_t type = w.type == Dtype::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+  const bool half = w.type == Dtype::kF16;
+  const cudaDataType_t type = half ? CUDA_R_16F : CUDA_R_16BF;
   const int64_t count = m * cols;
-  void* hi = scratch;
-  void* lo = static_cast<char*>(scratch) + count * 2;
-  if (w.type == Dtype::kBF16)
-    split_to<<<elementwise_blocks(count), 256, 0, s>>>(x, static_cast<__nv_bfloat16*>(hi),
-                                                       static_cast<__nv_bfloat16*>(lo), count);
-  else
+  void* hi = ws.scratch;
+  void* lo = static_cast<char*>(ws.scratch) + count * 2;
+  if (half)
     split_to<<<elementwise_blocks(count), 256, 0, s>>>(x, static_cast<__half*>(hi), static_cast<__half*>(lo),
                                                        count);
+  else
+    split_to<<<elementwise_blocks(count), 256, 0, s>>>(x, static_cast<__nv_bfloat16*>(hi),
+                                                       static_cast<__nv_bfloat16*>(lo), count);
   check_launch("split_to");
-  check_cublas(
-      cublas_api().gemm_ex(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data, type, cols, hi, type,
-                           cols, &beta0, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-      "gemm");
-  check_cublas(
-      cublas_api().gemm_ex(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &alpha, w.data, type, cols, lo, type,
-                           cols, &beta1, y, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-      "gemm");
+  // Rows [r0, r0 + nr) of y from weights `wd` holding those rows.
+  auto product = [&](const void* wd, int r0, int nr) {
+    check_cublas(
+        cublas_api().gemm_ex(h, CUBLAS_OP_T, CUBLAS_OP_N, nr, n, cols, &alpha, wd, type, cols, hi, type, cols,
+                             &beta0, y + r0, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "gemm");
+    check_cublas(
+        cublas_api().gemm_ex(h, CUBLAS_OP_T, CUBLAS_OP_N, nr, n, cols, &alpha, wd, type, cols, lo, type, cols,
+                             &beta1, y + r0, CUDA_R_32F, rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "gemm");
+  };
+  if (w.type != Dtype::kAffine) return product(w.data, 0, rows);
+  if (ws.dequant == nullptr) fail(ErrorKind::kInternal, "gemm: no dequantization buffer");
+  const int block = static_cast<int>(std::max<int64_t>(1, kDequantBytes / (2 * w.cols)));
+  for (int r0 = 0; r0 < rows; r0 += block) {
+    const int nr = std::min(block, rows - r0);
+    affine::dequantize_bf16(w, r0, nr, ws.dequant, ws.stream);
+    product(ws.dequant, r0, nr);
+  }
 }
 
 }  // namespace
 
+const char* affine_unsupported(int bits, int64_t group_size, int64_t cols) {
+  if (bits < 2 || bits > 8 || bits == 7) return "bits must be 2, 3, 4, 5, 6 or 8";
+  if (group_size != 32 && group_size != 64 && group_size != 128) return "group_size must be 32, 64 or 128";
+  if (cols % group_size != 0) return "cols must be a multiple of group_size";
+  return "";
+}
+
 void matmul(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate, const Workspace& ws) {
   if (m <= 0) return;
   const cudaStream_t s = as_stream(ws.stream);
-  if (m >= kGemmMinRows) return gemm(w, x, m, y, accumulate, ws.scratch, s, ws.cublas);
+  if (m >= kGemmMinRows) return gemm(w, x, m, y, accumulate, ws);
   float* const ys[1] = {y};
   if (accumulate)
     row_kernels<kAccumulate>(&w, 1, x, m, ys, s);
@@ -622,7 +631,9 @@ void matmul_group(const Matrix* w, float* const* y, int count, const float* x, i
                   const Workspace& ws) {
   if (count < 1 || count > kMaxGroup) fail(ErrorKind::kInternal, "matmul_group: {} matrices", count);
   bool same = true;
-  for (int i = 0; i < count; ++i) same &= w[i].type == w[0].type && w[i].cols == w[0].cols;
+  for (int i = 0; i < count; ++i)
+    same &= w[i].type == w[0].type && w[i].cols == w[0].cols && w[i].bits == w[0].bits &&
+            w[i].group_size == w[0].group_size && w[i].scale_type == w[0].scale_type;
   if (m >= kGemmMinRows || !same) {
     for (int i = 0; i < count; ++i) matmul(w[i], x, m, y[i], false, ws);
     return;
@@ -633,7 +644,8 @@ void matmul_group(const Matrix* w, float* const* y, int count, const float* x, i
 void matmul_swiglu(const Matrix& gate, const Matrix& up, const float* x, int64_t m, float* out,
                    float* up_scratch, const Workspace& ws) {
   if (m <= 0) return;
-  if (m >= kGemmMinRows || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols) {
+  if (m >= kGemmMinRows || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols ||
+      gate.bits != up.bits || gate.group_size != up.group_size || gate.scale_type != up.scale_type) {
     matmul(gate, x, m, out, false, ws);
     matmul(up, x, m, up_scratch, false, ws);
     swiglu(out, up_scratch, m * gate.rows, out, ws.stream);
@@ -658,6 +670,8 @@ void embed_rows(const Matrix& table, const int32_t* tokens, int64_t t_count, flo
     case Dtype::kF32:
       embed_kernel<<<grid, 256, 0, s>>>(static_cast<const float*>(table.data), tokens, table.cols, out);
       break;
+    case Dtype::kAffine:
+      return affine::embed(table, tokens, t_count, out, stream);
   }
   check_launch("embed_rows");
 }

@@ -16,28 +16,43 @@
 
 namespace mtpx::cuda {
 
-enum class Dtype { kF32, kF16, kBF16 };
+enum class Dtype { kF32, kF16, kBF16, kAffine };
 
 // A row-major [rows, cols] weight matrix in device memory (nn.Linear layout: rows = out features).
+// kAffine is MLX's group-wise affine quantization (backend/cpu/quant_matmul.h): `data` holds each row's
+// codes as a little-endian bit stream of cols * bits bits, and weight[o, k] = scale[o, g] * code + bias[o, g]
+// with g = k / group_size; scales and biases are [rows, cols / group_size] of `scale_type` (kBF16 or kF32).
 struct Matrix {
   Dtype type = Dtype::kBF16;
   const void* data = nullptr;
   int64_t rows = 0, cols = 0;
+  int bits = 0;
+  int64_t group_size = 0;
+  Dtype scale_type = Dtype::kBF16;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
 };
+
+// Whether the kernels take an affine matrix of this shape (bits 2..8 but 7, group_size 32/64/128, cols a
+// multiple of group_size); empty when they do, else why not.
+const char* affine_unsupported(int bits, int64_t group_size, int64_t cols);
 
 inline constexpr int64_t kGemmMinRows = 16;
 
 // Where the matrix products run: the stream, its cuBLAS handle, and scratch for the prompt path (the
-// float32 activations split into two 16-bit halves: at least 4 * m * cols bytes).
+// float32 activations split into two 16-bit halves: at least 4 * m * cols bytes). Affine matrices on the
+// prompt path are dequantized to bf16 a block of rows at a time into `dequant` (kDequantBytes).
 struct Workspace {
   void* stream = nullptr;  // cudaStream_t
   void* cublas = nullptr;  // cublasHandle_t
   void* scratch = nullptr;
+  void* dequant = nullptr;
 };
+inline constexpr int64_t kDequantBytes = int64_t{64} << 20;
 
 // y[m, o] (+)= sum_k x[m, k] W[o, k], float32 x and y (accumulate: add to y, the residual update).
 // m < kGemmMinRows: the batch-invariant row kernels; else cuBLAS on x split into hi + lo halves in the
-// weight's dtype (float32 weights: sgemm).
+// weight's dtype (float32 weights: sgemm; affine weights: dequantized to bf16 blocks of rows first).
 void matmul(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate, const Workspace& ws);
 // Up to 4 products of the same x in one launch: y[i] = x W[i]^T, i < count.
 void matmul_group(const Matrix* w, float* const* y, int count, const float* x, int64_t m,
@@ -46,7 +61,7 @@ void matmul_group(const Matrix* w, float* const* y, int count, const float* x, i
 void matmul_swiglu(const Matrix& gate, const Matrix& up, const float* x, int64_t m, float* out,
                    float* up_scratch, const Workspace& ws);
 
-// out[t, :] = float(W[tokens[t], :])
+// out[t, :] = float(W[tokens[t], :])  (affine: fma(scale, code, bias) in float32, as the CPU computes it)
 void embed_rows(const Matrix& table, const int32_t* tokens, int64_t t_count, float* out, void* stream);
 
 // out[r, :n] = x[r, :n] / sqrt(mean(x^2) + eps) * weight  (row strides in elements)

@@ -1,0 +1,364 @@
+// Group-wise affine (MLX) quantized matrices on the GPU. A row's codes are a little-endian bit stream;
+// 32 consecutive codes take 4 * bits bytes, always 4-byte aligned (cols is a multiple of the group size,
+// itself a multiple of 32), so a lane reads its 32 codes as `bits` whole words.
+//
+// Row kernels: a warp computes 2 output rows for all M (<= 8 per launch) activation rows; lane l takes the
+// chunks of 8 codes k = 8l + 256i, i = 0, 1, ... (as the float kernels: a warp's loads of x and of the codes
+// are contiguous; a chunk lies in one group, groups being >= 32 codes). Per row and chunk:
+//   xsum = sum_c x_c, dot1 = sum_c (1 + c / 2^B) x_c   (fixed orders)
+//   acc = fma(bias, xsum, acc); acc = fma(scale * 2^B, dot1 - xsum, acc)
+// since sum_c code_c x_c = 2^B (dot1 - xsum); then a fixed butterfly over the lanes. Neither the number of
+// activation rows nor which rows share a warp changes any of these operations: batch-invariant, as
+// kernels.h requires. 1 + c / 2^B is the float whose mantissa's top B bits are c: one shift and one
+// bitwise op per code, no conversion instruction. The offset 1 is at most 2^B / (2^B - 1) times the
+// code term, so the subtraction costs no precision worth the name (unlike the exponent trick
+// float(0x4B000000 | c) - 2^23, which would need a subtraction per code to stay exact).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "backend/cuda/affine.h"
+#include "backend/cuda/device_math.cuh"
+#include "backend/cuda/runtime.h"
+#include "util/error.h"
+
+namespace mtpx::cuda::affine {
+namespace {
+
+constexpr int kMaxGroup = 4;
+constexpr int kMaxRowsPerLaunch = 8;  // activation rows per launch; more run as several launches
+
+struct AffineGroup {
+  const uint32_t* codes[kMaxGroup];
+  const void* scales[kMaxGroup];  // bf16 or float32 (scales_f32)
+  const void* biases[kMaxGroup];
+  float* y[kMaxGroup];
+  int rows[kMaxGroup];
+  int warps_before[kMaxGroup + 1];
+  int count;
+  int cols;
+  int groups;      // per row
+  int group_log2;  // group_size = 1 << group_log2
+  bool scales_f32;
+};
+
+__device__ __forceinline__ float code_to_float(uint32_t c) {
+  return __uint_as_float(0x4B000000u | c) - 8388608.0f;
+}
+
+// The 8 codes of chunk `chunk` of a row (8 * B bits) as a 64-bit little-endian value.
+template <int B>
+__device__ __forceinline__ uint64_t load_chunk(const uint32_t* row, int chunk) {
+  if constexpr (B == 4) return __ldg(row + chunk);
+  if constexpr (B == 8) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(row) + chunk);
+    return u.x | static_cast<uint64_t>(u.y) << 32;
+  }
+  // 6 bits: 6 bytes at byte 6 * chunk, 2-byte aligned.
+  const auto* h = reinterpret_cast<const unsigned short*>(row) + 3 * chunk;
+  return __ldg(h) | static_cast<uint64_t>(__ldg(h + 1)) << 16 | static_cast<uint64_t>(__ldg(h + 2)) << 32;
+}
+
+// The float 1 + c / 2^B for code c (compile-time index after unrolling) of the chunk: c's B bits moved to
+// the top of the mantissa, under the exponent of 1.0.
+template <int B>
+__device__ __forceinline__ float code_plus_one(uint64_t chunk, int c) {
+  const int bit = c * B;
+  const uint32_t word = bit >= 32 ? static_cast<uint32_t>(chunk >> 32) : static_cast<uint32_t>(chunk);
+  const int shift = bit % 32;
+  const uint32_t bits = shift + B > 32 ? static_cast<uint32_t>(chunk >> bit) : word >> shift;
+  return __uint_as_float(0x3F800000u | ((bits << (23 - B)) & (((1u << B) - 1u) << (23 - B))));
+}
+
+__device__ __forceinline__ float scale_at(const void* p, size_t i, bool f32) {
+  return f32 ? __ldg(static_cast<const float*>(p) + i)
+             : __uint_as_float(static_cast<uint32_t>(__ldg(static_cast<const unsigned short*>(p) + i)) << 16);
+}
+
+template <int B, int M, int MODE>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    affine_rows_kernel(const AffineGroup g, const float* __restrict__ x, int x_stride) {
+  constexpr int R = 2;  // weight rows per warp (SwiGLU: one gate row and one up row)
+  constexpr float kCodeScale = static_cast<float>(1 << B);
+  const int warp = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= g.warps_before[g.count]) return;
+  int j = 0;
+  while (warp >= g.warps_before[j + 1]) ++j;
+  const int per_matrix = MODE == kSwiglu ? 1 : R;
+  const int row0 = (warp - g.warps_before[j]) * per_matrix;
+  const int cols = g.cols, words_per_row = cols / 32 * B;
+  const uint32_t* wr[R];
+  size_t sb[R];  // index of the row's first scale and bias
+  const void *scales[R], *biases[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int mi = MODE == kSwiglu ? i : j;
+    const int r =
+        min(MODE == kSwiglu ? row0 : row0 + i, g.rows[j] - 1);  // past the end: computed, not stored
+    wr[i] = g.codes[mi] + static_cast<size_t>(r) * words_per_row;
+    sb[i] = static_cast<size_t>(r) * g.groups;
+    scales[i] = g.scales[mi], biases[i] = g.biases[mi];
+  }
+  float acc[R][M];
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[i][m] = 0.0f;
+#pragma unroll 4  // 4 chunks' loads in flight per lane
+  for (int k = lane * 8; k < cols; k += 256) {
+    uint64_t w[R];
+    float scale[R], bias[R];
+    const int grp = k >> g.group_log2;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      w[i] = load_chunk<B>(wr[i], k / 8);
+      scale[i] = scale_at(scales[i], sb[i] + grp, g.scales_f32) * kCodeScale;
+      bias[i] = scale_at(biases[i], sb[i] + grp, g.scales_f32);
+    }
+    float q[R][8];
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) q[i][c] = code_plus_one<B>(w[i], c);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + static_cast<size_t>(m) * x_stride + k;
+      const float4 a = __ldg(reinterpret_cast<const float4*>(xm));
+      const float4 b = __ldg(reinterpret_cast<const float4*>(xm) + 1);
+      const float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      float xsum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) xsum += xv[c];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) dot = fmaf(q[i][c], xv[c], dot);
+        acc[i][m] = fmaf(scale[i], dot - xsum, fmaf(bias[i], xsum, acc[i][m]));
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[i][m] = warp_sum(acc[i][m]);
+  if (lane != 0) return;
+  float* y = g.y[j];
+#pragma unroll
+  for (int i = 0; i < per_matrix; ++i) {
+    const int r = row0 + i;
+    if (r >= g.rows[j]) break;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float* out = y + static_cast<size_t>(m) * g.rows[j] + r;
+      if constexpr (MODE == kSwiglu)
+        *out = silu(acc[0][m]) * acc[1][m];
+      else if constexpr (MODE == kAccumulate)
+        *out += acc[i][m];
+      else
+        *out = acc[i][m];
+    }
+  }
+}
+
+// Any bits (2..8): one row per warp, codes read bit by bit from the words, the same chunks per lane as the
+// fast kernel; same per-row order for any M.
+template <int MODE>
+__global__ void affine_rows_generic(const AffineGroup g, const float* __restrict__ x, int x_stride,
+                                    int m_count, int bits) {
+  const int warp = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= g.warps_before[g.count]) return;
+  int j = 0;
+  while (warp >= g.warps_before[j + 1]) ++j;
+  const int r = warp - g.warps_before[j];
+  const int cols = g.cols, words_per_row = cols / 32 * bits;
+  const uint32_t mask = (1u << bits) - 1u;
+  for (int m = 0; m < m_count; ++m) {
+    const float* xm = x + static_cast<size_t>(m) * x_stride;
+    float result[2];
+    for (int i = 0; i < (MODE == kSwiglu ? 2 : 1); ++i) {
+      const int mi = MODE == kSwiglu ? i : j;
+      const uint32_t* wr = g.codes[mi] + static_cast<size_t>(r) * words_per_row;
+      const size_t sb = static_cast<size_t>(r) * g.groups;
+      float acc = 0.0f;
+      for (int k = lane * 8; k < cols; k += 256) {
+        float dot = 0.0f, xsum = 0.0f;
+        for (int c = 0; c < 8; ++c) {
+          const int bit = (k + c) * bits, word = bit / 32, shift = bit % 32;
+          uint32_t v = wr[word] >> shift;
+          if (shift + bits > 32) v |= wr[word + 1] << (32 - shift);
+          dot = fmaf(code_to_float(v & mask), xm[k + c], dot);
+          xsum += xm[k + c];
+        }
+        const int grp = k >> g.group_log2;
+        acc = fmaf(scale_at(g.biases[mi], sb + grp, g.scales_f32), xsum,
+                   fmaf(scale_at(g.scales[mi], sb + grp, g.scales_f32), dot, acc));
+      }
+      result[i] = warp_sum(acc);
+    }
+    if (lane != 0) continue;
+    float* out = g.y[j] + static_cast<size_t>(m) * g.rows[j] + r;
+    if constexpr (MODE == kSwiglu)
+      *out = silu(result[0]) * result[1];
+    else if constexpr (MODE == kAccumulate)
+      *out += result[0];
+    else
+      *out = result[0];
+  }
+}
+
+template <int MODE>
+void launch_rows(AffineGroup g, int bits, const float* x, int64_t m, cudaStream_t s) {
+  const bool fast = bits == 4 || bits == 8 || bits == 6;
+  const int per_warp = !fast || MODE == kSwiglu ? 1 : 2;
+  g.warps_before[0] = 0;
+  for (int i = 0; i < g.count; ++i)
+    g.warps_before[i + 1] = g.warps_before[i] + (g.rows[i] + per_warp - 1) / per_warp;
+  const auto blocks = static_cast<unsigned>((g.warps_before[g.count] + kGemvWarps - 1) / kGemvWarps);
+  const int x_stride = g.cols;
+  // Activation rows in launches of at most 8 (each row's arithmetic is the same in any launch).
+  for (int64_t m0 = 0; m0 < m; m0 += kMaxRowsPerLaunch) {
+    const int mc = static_cast<int>(std::min<int64_t>(kMaxRowsPerLaunch, m - m0));
+    AffineGroup part = g;
+    for (int i = 0; i < g.count; ++i) part.y[i] = g.y[i] + m0 * g.rows[i];
+    const float* xp = x + m0 * x_stride;
+    if (!fast) {
+      affine_rows_generic<MODE><<<blocks, kGemvWarps * 32, 0, s>>>(part, xp, x_stride, mc, bits);
+      continue;
+    }
+    auto launch = [&](auto bits_constant) {
+      constexpr int B = decltype(bits_constant)::value;
+      switch (mc) {
+#define MTPX_AFFINE_CASE(M) \
+  case M:                   \
+    return affine_rows_kernel<B, M, MODE><<<blocks, kGemvWarps * 32, 0, s>>>(part, xp, x_stride);
+        MTPX_AFFINE_CASE(1)
+        MTPX_AFFINE_CASE(2)
+        MTPX_AFFINE_CASE(3)
+        MTPX_AFFINE_CASE(4)
+        MTPX_AFFINE_CASE(5)
+        MTPX_AFFINE_CASE(6)
+        MTPX_AFFINE_CASE(7)
+        MTPX_AFFINE_CASE(8)
+#undef MTPX_AFFINE_CASE
+      }
+    };
+    if (bits == 4)
+      launch(std::integral_constant<int, 4>{});
+    else if (bits == 8)
+      launch(std::integral_constant<int, 8>{});
+    else
+      launch(std::integral_constant<int, 6>{});
+  }
+  check_launch("affine rows");
+}
+
+void rows_impl(int epilogue, const Matrix* ws, int count, const float* x, int64_t m, float* const* ys,
+               cudaStream_t s) {
+  AffineGroup g{};
+  g.scales_f32 = ws[0].scale_type == Dtype::kF32;
+  g.count = epilogue == kSwiglu ? 1 : count;
+  g.cols = static_cast<int>(ws[0].cols);
+  g.groups = static_cast<int>(ws[0].cols / ws[0].group_size);
+  g.group_log2 = __builtin_ctzll(static_cast<unsigned long long>(ws[0].group_size));
+  for (int i = 0; i < count; ++i) {
+    g.codes[i] = static_cast<const uint32_t*>(ws[i].data);
+    g.scales[i] = ws[i].scales;
+    g.biases[i] = ws[i].biases;
+    g.rows[i] = static_cast<int>(ws[i].rows);
+    g.y[i] = epilogue == kSwiglu && i > 0 ? nullptr : ys[i];
+  }
+  switch (epilogue) {
+    case kStore:
+      return launch_rows<kStore>(g, ws[0].bits, x, m, s);
+    case kAccumulate:
+      return launch_rows<kAccumulate>(g, ws[0].bits, x, m, s);
+    default:
+      return launch_rows<kSwiglu>(g, ws[0].bits, x, m, s);
+  }
+}
+
+template <typename S>
+__global__ void dequantize_kernel(const uint32_t* __restrict__ codes, const S* __restrict__ scales,
+                                  const S* __restrict__ biases, int64_t cols, int bits, int group_log2,
+                                  int64_t rows, __nv_bfloat16* __restrict__ out) {
+  const int64_t chunks_per_row = cols / 32;
+  const int64_t n = rows * chunks_per_row;
+  const uint32_t mask = (1u << bits) - 1u;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / chunks_per_row, k = i % chunks_per_row * 32;
+    const uint32_t* w = codes + r * chunks_per_row * bits + k / 32 * bits;
+    const int64_t grp = r * (cols >> group_log2) + (k >> group_log2);
+    const float scale = to_float(scales[grp]), bias = to_float(biases[grp]);
+    for (int c = 0; c < 32; ++c) {
+      const int bit = c * bits, word = bit / 32, shift = bit % 32;
+      uint32_t v = w[word] >> shift;
+      if (shift + bits > 32) v |= w[word + 1] << (32 - shift);
+      out[r * cols + k + c] = __float2bfloat16_rn(fmaf(scale, code_to_float(v & mask), bias));
+    }
+  }
+}
+
+template <typename S>
+__global__ void embed_kernel(const uint32_t* __restrict__ codes, const S* __restrict__ scales,
+                             const S* __restrict__ biases, int64_t cols, int bits, int group_log2,
+                             const int32_t* __restrict__ tokens, float* __restrict__ out) {
+  const int64_t t = blockIdx.x, r = tokens[t];
+  const uint32_t mask = (1u << bits) - 1u;
+  const uint32_t* row = codes + r * (cols / 32 * bits);
+  for (int64_t k = threadIdx.x; k < cols; k += blockDim.x) {
+    const int64_t bit = k * bits, word = bit / 32;
+    const int shift = static_cast<int>(bit % 32);
+    uint32_t v = row[word] >> shift;
+    if (shift + bits > 32) v |= row[word + 1] << (32 - shift);
+    const int64_t grp = r * (cols >> group_log2) + (k >> group_log2);
+    out[t * cols + k] = fmaf(to_float(scales[grp]), code_to_float(v & mask), to_float(biases[grp]));
+  }
+}
+
+}  // namespace
+
+void rows(int epilogue, const Matrix* ws, int count, const float* x, int64_t m, float* const* ys,
+          void* stream) {
+  rows_impl(epilogue, ws, count, x, m, ys, static_cast<cudaStream_t>(stream));
+}
+
+void dequantize_bf16(const Matrix& w, int64_t row0, int64_t rows, void* out, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int group_log2 = __builtin_ctzll(static_cast<unsigned long long>(w.group_size));
+  const int64_t groups = w.cols / w.group_size, words = w.cols / 32 * w.bits;
+  const auto* codes = static_cast<const uint32_t*>(w.data) + row0 * words;
+  const int64_t chunks = rows * (w.cols / 32);
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((chunks + 255) / 256, 4096));
+  auto* o = static_cast<__nv_bfloat16*>(out);
+  if (w.scale_type == Dtype::kF32)
+    dequantize_kernel<<<blocks, 256, 0, s>>>(codes, static_cast<const float*>(w.scales) + row0 * groups,
+                                             static_cast<const float*>(w.biases) + row0 * groups, w.cols,
+                                             w.bits, group_log2, rows, o);
+  else
+    dequantize_kernel<<<blocks, 256, 0, s>>>(
+        codes, static_cast<const __nv_bfloat16*>(w.scales) + row0 * groups,
+        static_cast<const __nv_bfloat16*>(w.biases) + row0 * groups, w.cols, w.bits, group_log2, rows, o);
+  check_launch("affine dequantize");
+}
+
+void embed(const Matrix& w, const int32_t* tokens, int64_t t_count, float* out, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int group_log2 = __builtin_ctzll(static_cast<unsigned long long>(w.group_size));
+  const auto grid = static_cast<unsigned>(t_count);
+  const auto* codes = static_cast<const uint32_t*>(w.data);
+  if (w.scale_type == Dtype::kF32)
+    embed_kernel<<<grid, 256, 0, s>>>(codes, static_cast<const float*>(w.scales),
+                                      static_cast<const float*>(w.biases), w.cols, w.bits, group_log2, tokens,
+                                      out);
+  else
+    embed_kernel<<<grid, 256, 0, s>>>(codes, static_cast<const __nv_bfloat16*>(w.scales),
+                                      static_cast<const __nv_bfloat16*>(w.biases), w.cols, w.bits, group_log2,
+                                      tokens, out);
+  check_launch("affine embed");
+}
+
+}  // namespace mtpx::cuda::affine
