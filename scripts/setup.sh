@@ -9,7 +9,8 @@
 set -euo pipefail
 packages=(build-essential cmake ninja-build pkg-config git
   nlohmann-json3-dev libcli11-dev libpcre2-dev libutf8proc-dev libfmt-dev libspdlog-dev
-  clang-format libhwy-dev libopenblas-openmp-dev libcpp-httplib-dev libgtest-dev libgmock-dev libbenchmark-dev)
+  clang-format libhwy-dev libopenblas-openmp-dev libcpp-httplib-dev libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-dev libomp-dev)  # clang, its libFuzzer/sanitizer runtimes and OpenMP: scripts/fuzz.sh
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
 # Formatting is part of the build: every C++ source must be as clang-format (.clang-format) writes it.
-find src tests bench -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' | sort |
+find src tests bench fuzz -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' | sort |
   xargs clang-format --dry-run -Werror
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$jobs"
