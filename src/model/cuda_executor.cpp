@@ -237,13 +237,9 @@ Matrix CudaExecutor::upload(const cpu::WeightMatrix& w, const char* what) {
 
 const float* CudaExecutor::upload(const std::vector<float>& v) {
   if (v.empty()) return nullptr;
-  Buffer b(v.size() * sizeof(float));
-  stream_.to_device(b.data(), v.data(), b.bytes());
+  const void* p = upload_bytes(v.data(), v.size() * sizeof(float));
   stream_.synchronize();  // v is pageable host memory that may go away
-  const float* p = b.as<float>();
-  weight_bytes_ += static_cast<int64_t>(b.bytes());
-  arena_.push_back(std::move(b));
-  return p;
+  return static_cast<const float*>(p);
 }
 
 DeviceLayer CudaExecutor::upload(const LayerWeights& l) {
