@@ -160,30 +160,30 @@ def case_baseline(c):
     return "a normal completion: 200"
 
 
-def case_slowloris_headers(c):
-    """More connections than the server has HTTP threads dribble a request head; /health must still be
-    answered while they hang, and the server must drop them after --request-timeout."""
-    count, timeout = c.args.slow_clients, c.args.request_timeout
+def dribbled_clients(c, count, head, byte, settle):
+    """Opens `count` connections that send `head`, then `byte` once a second on each until the server
+    drops them. Returns the /health latency measured `settle` seconds in, and how many of the connections
+    the server closed within --request-timeout + 3 s."""
+    timeout = c.args.request_timeout
     sockets = []
-    for i in range(count):
+    for _ in range(count):
         s = raw_socket(c.server)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.sendall(head)
         sockets.append(s)
     stop = threading.Event()
 
-    def dribble():  # one header byte per second on every connection, until told to stop
+    def dribble():
         while not stop.wait(1.0):
             for s in sockets:
                 try:
-                    s.sendall(b"X")
+                    s.sendall(byte)
                 except OSError:
                     pass
     feeder = threading.Thread(target=dribble, daemon=True)
     feeder.start()
     try:
-        time.sleep(1.5)
+        time.sleep(settle)
         latency = c.health_latency()
-        expect(latency < timeout + 2, f"/health took {latency:.1f} s with {count} slow clients connected")
         start = time.monotonic()
         dropped = sum(closed_by_peer(s, max(0.1, timeout + 3 - (time.monotonic() - start))) for s in sockets)
     finally:
@@ -191,6 +191,15 @@ def case_slowloris_headers(c):
         feeder.join()
         for s in sockets:
             s.close()
+    return latency, dropped
+
+
+def case_slowloris_headers(c):
+    """More connections than the server has HTTP threads dribble a request head; /health must still be
+    answered while they hang, and the server must drop them after --request-timeout."""
+    count, timeout = c.args.slow_clients, c.args.request_timeout
+    latency, dropped = dribbled_clients(c, count, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b"X", 1.5)
+    expect(latency < timeout + 2, f"/health took {latency:.1f} s with {count} slow clients connected")
     expect(dropped == count, f"only {dropped} of {count} slow clients were dropped within {timeout + 3} s")
     return (f"{count} clients dribbling headers (1 byte/s): /health answered in {latency * 1000:.0f} ms "
             f"meanwhile, all dropped by the server after the {timeout:.0f} s request timeout")
@@ -199,32 +208,9 @@ def case_slowloris_headers(c):
 def case_slow_body(c):
     """A complete head announcing a body that then arrives one byte per second."""
     count, timeout = max(2, c.args.slow_clients // 4), c.args.request_timeout
-    sockets = []
-    for _ in range(count):
-        s = raw_socket(c.server)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100000\r\n\r\n{")
-        sockets.append(s)
-    stop = threading.Event()
-
-    def dribble():
-        while not stop.wait(1.0):
-            for s in sockets:
-                try:
-                    s.sendall(b" ")
-                except OSError:
-                    pass
-    feeder = threading.Thread(target=dribble, daemon=True)
-    feeder.start()
-    try:
-        latency = c.health_latency()
-        start = time.monotonic()
-        dropped = sum(closed_by_peer(s, max(0.1, timeout + 3 - (time.monotonic() - start))) for s in sockets)
-    finally:
-        stop.set()
-        feeder.join()
-        for s in sockets:
-            s.close()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{")
+    latency, dropped = dribbled_clients(c, count, head, b" ", 0.0)
     expect(dropped == count, f"only {dropped} of {count} slow bodies were dropped within {timeout + 3} s")
     return f"{count} bodies dribbled (1 byte/s): /health in {latency * 1000:.0f} ms, all dropped after the timeout"
 
