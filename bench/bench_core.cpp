@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backend/cpu/matmul.h"
+#include "bench_util.h"
 #include "model/qwen35.h"
 #include "model/shapes.h"
 
@@ -87,24 +88,6 @@ double measure_sgemm_flops() {
   return best;
 }
 
-// Matmul FLOPs of one token through the trunk (excluding lm_head) plus lm_head rows.
-double matmul_flops(const mtpx::ModelWeights& w, int64_t tokens, int64_t logit_rows) {
-  double per_token = 0;
-  auto add = [&](const mtpx::cpu::WeightMatrix& m) {
-    per_token += 2.0 * static_cast<double>(m.rows * m.cols);
-  };
-  for (const auto& l : w.layers) {
-    if (l.attention)
-      add(l.attention->q_proj), add(l.attention->k_proj), add(l.attention->v_proj), add(l.attention->o_proj);
-    if (l.delta_net)
-      add(l.delta_net->in_proj_qkv), add(l.delta_net->in_proj_z), add(l.delta_net->in_proj_a),
-          add(l.delta_net->in_proj_b), add(l.delta_net->out_proj);
-    add(l.mlp.gate_proj), add(l.mlp.up_proj), add(l.mlp.down_proj);
-  }
-  return per_token * static_cast<double>(tokens) +
-         2.0 * static_cast<double>(w.lm_head.rows * w.lm_head.cols * logit_rows);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,7 +124,7 @@ int main(int argc, char** argv) {
   auto t = Clock::now();
   model->forward(state, prompt, mtpx::LogitRows::kLast, r);
   const double prefill_s = seconds_since(t);
-  const double prefill_flops = matmul_flops(w, prefill_tokens, 1) / prefill_s;
+  const double prefill_flops = mtpx::bench::matmul_flops(w, prefill_tokens, 1) / prefill_s;
 
   // Decode from a 16-token context against memory bandwidth, paired: each round streams the 1 GiB read
   // buffer (best of 2 passes) and then times decode_tokens steps, so the ratio of a round compares the

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/cpu/matmul.h"
+#include "bench_util.h"
 #include "model/device.h"
 #include "model/qwen35.h"
 #include "model/shapes.h"
@@ -41,22 +42,6 @@ int64_t bytes_per_token(const mtpx::Model& m) {
   const auto& w = m.weights();
   const int64_t embed = mtpx::cpu::weight_bytes(w.embed_tokens);
   return w.tied ? w.matrix_bytes : w.matrix_bytes - embed;
-}
-
-// Multiply-adds per token of the trunk's matrices (the prefill FLOP count is twice this per token).
-double macs_per_token(const mtpx::Model& m) {
-  const auto& w = m.weights();
-  double macs = static_cast<double>(w.lm_head.rows * w.lm_head.cols);
-  auto add = [&](const mtpx::cpu::WeightMatrix& x) { macs += static_cast<double>(x.rows * x.cols); };
-  for (const auto& l : w.layers) {
-    if (l.attention)
-      add(l.attention->q_proj), add(l.attention->k_proj), add(l.attention->v_proj), add(l.attention->o_proj);
-    if (l.delta_net)
-      add(l.delta_net->in_proj_qkv), add(l.delta_net->in_proj_z), add(l.delta_net->in_proj_b),
-          add(l.delta_net->in_proj_a), add(l.delta_net->out_proj);
-    add(l.mlp.gate_proj), add(l.mlp.up_proj), add(l.mlp.down_proj);
-  }
-  return macs;
 }
 
 }  // namespace
@@ -168,7 +153,8 @@ int main(int argc, char** argv) {
         times.push_back(seconds_since(t));
       }
       const double secs = median(times);
-      const double flops = 2.0 * macs_per_token(*model) * static_cast<double>(prefill_tokens);
+      // Every position through every matrix, lm_head included.
+      const double flops = bench::matmul_flops(model->weights(), prefill_tokens, prefill_tokens);
       report["prefill_tokens"] = prefill_tokens;
       report["prefill_tok_s"] = static_cast<double>(prefill_tokens) / secs;
       report["prefill_matmul_TFLOPs"] = flops / secs / 1e12;
