@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Builds everything with AddressSanitizer + UndefinedBehaviorSanitizer (g++, MTPX_SANITIZE=ON, in
-# build-asan/) and runs the test suite under them. Any sanitizer report fails the test that triggered it.
+# build-asan/) and runs the whole test suite under them (CI runs it). Any sanitizer report fails the test
+# that triggered it; LeakSanitizer checks every process at exit, the servers of the Python tests included.
 #   scripts/test_sanitized.sh [--quick] [ctest arguments...]
-# --quick (what CI runs) leaves out the slowest tests, listed in kSlow below and in RELIABILITY.md: the
-# Python end-to-end tests (they drive the mtpx binary through real clients; its code paths are the ones the
-# C++ tests cover) and the long statistical and whole-checkpoint tests, which take minutes under ASan.
+# In this build the tests know they run sanitized: the Python tests skip their RSS limits (--sanitized:
+# ASan's shadow memory and quarantine are not the program's memory) and the longest statistical test draws
+# fewer samples (MTPX_SANITIZED in tests/speculative_test.cpp). --quick also leaves out the slowest tests,
+# listed in kSlow below: the Python end-to-end tests and the long statistical and whole-checkpoint tests.
 # Environment: MTPX_ASAN_BUILD (default build-asan), MTPX_ASAN_JOBS (default nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
