@@ -8,6 +8,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -17,11 +18,6 @@
 
 namespace mtpx::cpu {
 namespace {
-
-// At most kRows activation rows share a tile's weight loads.
-constexpr int64_t kRows = 4;
-// Activation rows processed per block, so the block of x stays in L2 while the weights stream by.
-constexpr int64_t kRowBlock = 32;
 
 float load_scalar(const void* data, WeightType type, int64_t index) {
   switch (type) {
@@ -37,22 +33,31 @@ float load_scalar(const void* data, WeightType type, int64_t index) {
   return 0.0f;
 }
 
-template <WeightType T>
-constexpr int64_t kWeightBytes = T == WeightType::kF32 ? 4 : 2;
-// One prefetch per 64-byte line, into the rows of the output tile kPrefetchTiles ahead (the same
-// thread's tiles under the static schedule are adjacent in memory). Two tiles ahead looked faster on an
-// isolated lm_head but not in whole-model decode (paired runs, AVX2 EPYC, 2 threads), so one.
-constexpr int64_t kPrefetchTiles = 1;
-template <WeightType T>
-constexpr int64_t kPrefetchMask = 64 / kWeightBytes<T> - 1;
-
 // ---------------------------------------------------------------------------------------------
-// SIMD tiles. A tile computes NR activation rows x NO output features with one vector accumulator
-// per (row, output); NR and NO are compile-time so the accumulators live in registers. Every (m, o)
-// runs the same instruction sequence whatever the tile shape: lane-blocked FMAs over k in order, one
-// fixed horizontal sum, then the scalar tail in order.
+// Small-M kernels (decode and verify windows), memory-bound: every weight byte is read once per call.
+//
+// A kernel walks a range of output features one at a time and reads each weight row from start to end,
+// so a thread's whole share of the matrix is one sequential stream. (Tiles of several output rows read
+// several interleaved 2-7 KB streams instead; on the AVX2 EPYC that streamed at 58% of a plain read where
+// one sequential stream reaches 100%: bench/bench_core's decode, BENCHMARKS.md.) The NR activation rows
+// of a call share each weight load; a row block wider than the register file is split into several calls,
+// which re-read the weight row from L1.
+//
+// Batch invariance: for one (m, o), every kernel of a path runs the same operations whatever NR is: k
+// in blocks of 4 vectors, vector j of a block accumulating into acc[j] (a partial last block of whole
+// vectors uses acc[0..]), then (acc0 + acc1) + (acc2 + acc3), a fixed horizontal sum, and the scalar
+// tail in order.
 
-// AVX-512: 16 lanes. Loads widen bf16 by a 16-bit shift and f16 with vcvtph2ps.
+// The activations as the SIMD kernels read them: a copy with 64-byte aligned rows (unaligned 64-byte loads
+// straddle cache lines: verify windows of 2-5 rows were 15-30% slower, AVX-512 EPYC) and a row stride that
+// is not a multiple of 4 KiB (rows of x would share L1 sets); permuted for the AVX2 bf16 loads.
+struct Activations {
+  const float* data = nullptr;
+  int64_t stride = 0;  // floats between rows
+  const float* row(int64_t r) const { return data + r * stride; }
+};
+
+// AVX-512: 16 lanes, blocks of 64; bf16 widened by zero-extension and a 16-bit shift.
 template <WeightType T>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline __m512 load16(const void* base,
                                                                               int64_t index) {
@@ -68,47 +73,66 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline __m512 load16(co
   }
 }
 
-template <WeightType T, int NR, int NO>
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void tile_avx512(const WeightMatrix& w,
+template <WeightType T, int NR>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const WeightMatrix& w,
+                                                                          const Activations& xs,
                                                                           const float* x, int64_t m0,
-                                                                          int64_t o0, float* y) {
+                                                                          int64_t o_begin, int64_t o_end,
+                                                                          float* y) {
   const int64_t k_dim = w.cols;
-  const int64_t k_vec = k_dim / 16 * 16;
-  __m512 acc[NR][NO];
-  for (int r = 0; r < NR; ++r)
-    for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
-  const char* wbytes = static_cast<const char*>(w.data);
-  for (int64_t k = 0; k < k_vec; k += 16) {
-    if ((k & kPrefetchMask<T>) == 0)
-      for (int o = 0; o < NO; ++o)
-        _mm_prefetch(wbytes + ((o0 + kPrefetchTiles * NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
-    __m512 wv[NO];
-    for (int o = 0; o < NO; ++o) wv[o] = load16<T>(w.data, (o0 + o) * k_dim + k);
+  const int64_t k64 = k_dim / 64 * 64, k16 = k_dim / 16 * 16;
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const int64_t row = o * k_dim;
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k64; k += 64) {
+      __m512 wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = load16<T>(w.data, row + k + 16 * j);
+      for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < 4; ++j)
+          acc[r][j] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k + 16 * j), wv[j], acc[r][j]);
+    }
+    for (int64_t k = k64, j = 0; k < k16; k += 16, ++j) {
+      const __m512 wv = load16<T>(w.data, row + k);
+      for (int r = 0; r < NR; ++r)
+        acc[r][j] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k), wv, acc[r][j]);
+    }
     for (int r = 0; r < NR; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + (m0 + r) * k_dim + k);
-      for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_fmadd_ps(xv, wv[o], acc[r][o]);
+      float s = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+      for (int64_t k = k16; k < k_dim; ++k) s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, row + k);
+      y[(m0 + r) * w.rows + o] = s;
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int o = 0; o < NO; ++o) {
-      float s = _mm512_reduce_add_ps(acc[r][o]);
-      for (int64_t k = k_vec; k < k_dim; ++k)
-        s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, (o0 + o) * k_dim + k);
-      y[(m0 + r) * w.rows + o0 + o] = s;
-    }
 }
 
-// AVX2 + FMA (+F16C): 8 lanes.
+// AVX2 + FMA (+F16C): 8 lanes, blocks of 32 (k16: whole blocks of 16 for the tail block).
 template <WeightType T>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* base, int64_t index) {
   if constexpr (T == WeightType::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(base) + index);
-  } else if constexpr (T == WeightType::kF16) {
+  } else {
+    static_assert(T == WeightType::kF16);
     return _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index)));
+  }
+}
+
+// 16 weights from k as two 8-lane vectors. bf16: one 32-byte load widened by interleaving with zeros:
+// unpacklo/hi_epi16 yield k = {0-3, 8-11} and {4-7, 12-15}, so x is permuted to match (permute_for_bf16).
+// Fewer uops per weight byte than zero-extension + shift: 15-20% faster in decode on the AVX2 EPYC.
+template <WeightType T>
+__attribute__((target("avx2,fma,f16c"))) inline void load16_pair(const void* base, int64_t index, __m256& lo,
+                                                                 __m256& hi) {
+  if constexpr (T == WeightType::kBF16) {
+    const __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index));
+    lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), h));
+    hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), h));
   } else {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    lo = load8<T>(base, index);
+    hi = load8<T>(base, index + 8);
   }
 }
 
@@ -123,84 +147,89 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(sums);
 }
 
-template <WeightType T, int NR, int NO>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const WeightMatrix& w, const float* x, int64_t m0,
-                                                        int64_t o0, float* y) {
+// xs: the prepared activations, permuted for bf16 (prepare_activations).
+template <WeightType T, int NR>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const WeightMatrix& w, const Activations& xs,
+                                                        const float* x, int64_t m0, int64_t o_begin,
+                                                        int64_t o_end, float* y) {
   const int64_t k_dim = w.cols;
-  const int64_t k_vec = k_dim / 8 * 8;
-  __m256 acc[NR][NO];
-  for (int r = 0; r < NR; ++r)
-    for (int o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
-  const char* wbytes = static_cast<const char*>(w.data);
-  int64_t k_start = 0;
-  if constexpr (T == WeightType::kBF16) {
-    // bf16 by 16: one 32-byte load per weight row, widened by interleaving with zeros (unpacklo/hi_epi16
-    // yield k = {0-3, 8-11} and {4-7, 12-15} of the block); x is permuted to match. Fewer uops per weight
-    // byte than zero-extend + shift, measured 15-20% faster in decode-shaped products on AVX2 EPYC.
-    const __m256i zero = _mm256_setzero_si256();
-    const int64_t k16 = k_dim / 16 * 16;
-    for (int64_t k = 0; k < k16; k += 16) {
-      if ((k & kPrefetchMask<T>) == 0)
-        for (int o = 0; o < NO; ++o)
-          _mm_prefetch(wbytes + ((o0 + kPrefetchTiles * NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
-      __m256 w_lo[NO], w_hi[NO];
-      for (int o = 0; o < NO; ++o) {
-        const __m256i h = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w.data) + (o0 + o) * k_dim + k));
-        w_lo[o] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h));
-        w_hi[o] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h));
-      }
-      for (int r = 0; r < NR; ++r) {
-        const __m256 xa = _mm256_loadu_ps(x + (m0 + r) * k_dim + k);
-        const __m256 xb = _mm256_loadu_ps(x + (m0 + r) * k_dim + k + 8);
-        const __m256 x_lo = _mm256_permute2f128_ps(xa, xb, 0x20);
-        const __m256 x_hi = _mm256_permute2f128_ps(xa, xb, 0x31);
-        for (int o = 0; o < NO; ++o) {
-          acc[r][o] = _mm256_fmadd_ps(x_lo, w_lo[o], acc[r][o]);
-          acc[r][o] = _mm256_fmadd_ps(x_hi, w_hi[o], acc[r][o]);
-        }
-      }
+  const int64_t k32 = k_dim / 32 * 32, k16 = k_dim / 16 * 16;
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const int64_t row = o * k_dim;
+    __m256 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k32; k += 32) {
+      __m256 wv[4];
+      load16_pair<T>(w.data, row + k, wv[0], wv[1]);
+      load16_pair<T>(w.data, row + k + 16, wv[2], wv[3]);
+      for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < 4; ++j)
+          acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(xs.row(m0 + r) + k + 8 * j), wv[j], acc[r][j]);
     }
-    k_start = k16;
-  }
-  for (int64_t k = k_start; k < k_vec; k += 8) {
-    // Software prefetch of the next tile: a tile reads NO interleaved short streams, which the hardware
-    // prefetcher follows poorly.
-    if ((k & kPrefetchMask<T>) == 0)
-      for (int o = 0; o < NO; ++o)
-        _mm_prefetch(wbytes + ((o0 + kPrefetchTiles * NO + o) * k_dim + k) * kWeightBytes<T>, _MM_HINT_T0);
-    __m256 wv[NO];
-    for (int o = 0; o < NO; ++o) wv[o] = load8<T>(w.data, (o0 + o) * k_dim + k);
+    if (k16 > k32) {
+      __m256 wv[2];
+      load16_pair<T>(w.data, row + k32, wv[0], wv[1]);
+      for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < 2; ++j)
+          acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(xs.row(m0 + r) + k32 + 8 * j), wv[j], acc[r][j]);
+    }
     for (int r = 0; r < NR; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * k_dim + k);
-      for (int o = 0; o < NO; ++o) acc[r][o] = _mm256_fmadd_ps(xv, wv[o], acc[r][o]);
+      float s =
+          hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+      for (int64_t k = k16; k < k_dim; ++k) s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, row + k);
+      y[(m0 + r) * w.rows + o] = s;
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int o = 0; o < NO; ++o) {
-      float s = hsum8(acc[r][o]);
-      for (int64_t k = k_vec; k < k_dim; ++k)
-        s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, (o0 + o) * k_dim + k);
-      y[(m0 + r) * w.rows + o0 + o] = s;
-    }
+}
+
+// The activation order load16_pair<kBF16> needs: per whole block of 16, x[0-3], x[8-11], x[4-7], x[12-15]
+// (the tail after the last whole block stays in order; the kernels read it from x).
+void permute_for_bf16(const float* in, int64_t k_dim, float* out) {
+  const int64_t k16 = k_dim / 16 * 16;
+  for (int64_t k = 0; k < k16; k += 16) {
+    std::memcpy(out + k, in + k, 4 * sizeof(float));
+    std::memcpy(out + k + 4, in + k + 8, 4 * sizeof(float));
+    std::memcpy(out + k + 8, in + k + 4, 4 * sizeof(float));
+    std::memcpy(out + k + 12, in + k + 12, 4 * sizeof(float));
+  }
+  std::memcpy(out + k16, in + k16, static_cast<size_t>(k_dim - k16) * sizeof(float));
+}
+
+Activations prepare_activations(const float* x, int64_t m, int64_t k_dim, bool permute,
+                                std::vector<float>& buffer) {
+  Activations a;
+  a.stride = (k_dim + 15) / 16 * 16 + 16;
+  buffer.resize(static_cast<size_t>(m * a.stride + 16));
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  a.data = buffer.data() + ((64 - address % 64) % 64) / sizeof(float);
+  for (int64_t r = 0; r < m; ++r) {
+    float* out = const_cast<float*>(a.row(r));
+    if (permute)
+      permute_for_bf16(x + r * k_dim, k_dim, out);
+    else
+      std::memcpy(out, x + r * k_dim, static_cast<size_t>(k_dim) * sizeof(float));
+  }
+  return a;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Portable fallback: 8 interleaved partial sums per (m, o), then a fixed pairwise sum.
-template <WeightType T, int NR, int NO>
-void tile_scalar(const WeightMatrix& w, const float* x, int64_t m0, int64_t o0, float* y) {
+template <WeightType T, int NR>
+void rows_scalar(const WeightMatrix& w, const Activations& /*xs*/, const float* x, int64_t m0,
+                 int64_t o_begin, int64_t o_end, float* y) {
   const int64_t k_dim = w.cols;
-  for (int r = 0; r < NR; ++r) {
-    const float* xr = x + (m0 + r) * k_dim;
-    for (int o = 0; o < NO; ++o) {
-      const int64_t wo = (o0 + o) * k_dim;
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const int64_t wo = o * k_dim;
+    for (int r = 0; r < NR; ++r) {
+      const float* xr = x + (m0 + r) * k_dim;
       float part[8] = {};
       int64_t k = 0;
       for (; k + 8 <= k_dim; k += 8)
         for (int j = 0; j < 8; ++j) part[j] += xr[k + j] * load_scalar(w.data, T, wo + k + j);
       float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
       for (; k < k_dim; ++k) s += xr[k] * load_scalar(w.data, T, wo + k);
-      y[(m0 + r) * w.rows + o0 + o] = s;
+      y[(m0 + r) * w.rows + o] = s;
     }
   }
 }
@@ -221,28 +250,25 @@ Path path() {
   return p;
 }
 
-using TileFn = void (*)(const WeightMatrix&, const float*, int64_t, int64_t, float*);
+using RowsFn = void (*)(const WeightMatrix&, const Activations&, const float*, int64_t, int64_t, int64_t,
+                        float*);
 
-// Tile functions for one path and weight type, indexed [rows in tile - 1][outputs in tile - 1].
-// Decode (one row) uses wide output tiles for more independent FMA chains; several rows use a square-ish
-// tile that fits the register file (AVX2: 16 ymm, AVX-512: 32 zmm).
-struct TileSet {
-  TileFn tiles[4][8];
-  int outputs_single_row;  // output tile width when the block has 1 row (decode)
-  int outputs_two_rows;    // ... 2 rows (a K=1 verify window): keeps 8 (AVX2) / 16 (AVX-512) accumulators
-  int outputs_multi_row;   // ... 3 or more rows
+// The kernels of one path and weight type, indexed [activation rows per call - 1]; max_rows: the widest
+// call whose accumulators (NR x 4 vectors) fit the register file (AVX2: 16 ymm, AVX-512: 32 zmm).
+struct KernelSet {
+  RowsFn rows[4];
+  int64_t max_rows;
+  bool permuted_x;  // the kernels read x permuted by permute_for_bf16 (else a copy in order)
 };
 
-#define MTPX_ROW(F, T, R) \
-  { F<T, R, 1>, F<T, R, 2>, F<T, R, 3>, F<T, R, 4>, F<T, R, 5>, F<T, R, 6>, F<T, R, 7>, F<T, R, 8> }
-#define MTPX_TILESET(F, T, SINGLE, TWO, MULTI) \
-  TileSet { {MTPX_ROW(F, T, 1), MTPX_ROW(F, T, 2), MTPX_ROW(F, T, 3), MTPX_ROW(F, T, 4)}, SINGLE, TWO, MULTI }
-
 template <WeightType T>
-const TileSet& tiles_for(Path p) {
-  static const TileSet avx512 = MTPX_TILESET(tile_avx512, T, 8, 8, 4);
-  static const TileSet avx2 = MTPX_TILESET(tile_avx2, T, 8, 4, 3);
-  static const TileSet scalar = MTPX_TILESET(tile_scalar, T, 4, 4, 4);
+const KernelSet& kernels_for(Path p) {
+  static const KernelSet avx512 = {
+      {rows_avx512<T, 1>, rows_avx512<T, 2>, rows_avx512<T, 3>, rows_avx512<T, 4>}, 4, false};
+  static const KernelSet avx2 = {
+      {rows_avx2<T, 1>, rows_avx2<T, 2>, rows_avx2<T, 3>, rows_avx2<T, 3>}, 3, T == WeightType::kBF16};
+  static const KernelSet scalar = {
+      {rows_scalar<T, 1>, rows_scalar<T, 2>, rows_scalar<T, 3>, rows_scalar<T, 4>}, 4, false};
   switch (p) {
     case Path::kAvx512:
       return avx512;
@@ -254,17 +280,17 @@ const TileSet& tiles_for(Path p) {
   return scalar;
 }
 
-const TileSet& select_tiles(WeightType type) {
+const KernelSet& select_kernels(WeightType type) {
   switch (type) {
     case WeightType::kF32:
-      return tiles_for<WeightType::kF32>(path());
+      return kernels_for<WeightType::kF32>(path());
     case WeightType::kF16:
-      return tiles_for<WeightType::kF16>(path());
+      return kernels_for<WeightType::kF16>(path());
     case WeightType::kBF16:
     case WeightType::kAffine:
       break;
   }
-  return tiles_for<WeightType::kBF16>(path());
+  return kernels_for<WeightType::kBF16>(path());
 }
 
 // Prefill: y = x W^T through sgemm, on blocks of output rows widened to float32 (f32 weights are used
@@ -329,25 +355,26 @@ void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
     matmul_gemm(w, x, m, y);
     return;
   }
-  const TileSet& set = select_tiles(w.type);
+  const KernelSet& set = select_kernels(w.type);
+  std::vector<float> buffer;
+  const Activations xs = prepare_activations(x, m, w.cols, set.permuted_x, buffer);
+  // Threads take contiguous ranges of output features (schedule static), so each streams one part of the
+  // matrix; chunks of 16 rows keep the calls few.
+  constexpr int64_t kChunk = 16;
+  const int64_t chunks = (w.rows + kChunk - 1) / kChunk;
   // Small products are not worth waking the thread team.
-  const bool parallel = w.rows * w.cols * m >= (int64_t{1} << 15);
-  for (int64_t mb = 0; mb < m; mb += kRowBlock) {
-    const int64_t mb_end = std::min(m, mb + kRowBlock);
-    const int64_t rows = mb_end - mb;
-    const int64_t width = rows == 1   ? set.outputs_single_row
-                          : rows == 2 ? set.outputs_two_rows
-                                      : set.outputs_multi_row;
-    const int64_t out_tiles = (w.rows + width - 1) / width;
-#pragma omp parallel for schedule(static) if (parallel && out_tiles > 1)
-    for (int64_t t = 0; t < out_tiles; ++t) {
-      const int64_t o0 = t * width;
-      const int64_t no = std::min(width, w.rows - o0);
-      for (int64_t m0 = mb; m0 < mb_end; m0 += kRows) {
-        const int64_t nr = std::min(kRows, mb_end - m0);
-        set.tiles[nr - 1][no - 1](w, x, m0, o0, y);
-      }
+  const bool parallel = chunks > 1 && w.rows * w.cols * m >= (int64_t{1} << 15);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t o0 = c * kChunk, o1 = std::min(w.rows, o0 + kChunk);
+    if (m <= set.max_rows) {
+      set.rows[m - 1](w, xs, x, 0, o0, o1, y);
+      continue;
     }
+    // More rows than one call holds: row blocks per output feature, so the weight row is re-read from L1.
+    for (int64_t o = o0; o < o1; ++o)
+      for (int64_t m0 = 0; m0 < m; m0 += set.max_rows)
+        set.rows[std::min(set.max_rows, m - m0) - 1](w, xs, x, m0, o, o + 1, y);
   }
 }
 

@@ -2,9 +2,10 @@
 //
 // Batch invariance (the property that makes greedy MTP lossless): for M < kGemmMinRows, y[m, o] is
 // computed by the same sequence of floating-point operations whatever M is and whichever rows share a
-// tile: the reduction over k runs in fixed lane-blocked order with one accumulator per (m, o), followed by
-// a fixed horizontal sum; threads split the output features, never the reduction. Decode (1 row) and
-// speculative verify windows (K+1 <= 9 rows) are therefore bit-identical row by row.
+// kernel call: the reduction over k runs in a fixed lane-blocked order into four vector accumulators per
+// (m, o), followed by a fixed sum of the four and a fixed horizontal sum; threads split the output
+// features, never the reduction. Decode (1 row) and speculative verify windows (K+1 <= 9 rows) are
+// therefore bit-identical row by row.
 // Prompt prefill (M >= kGemmMinRows) is compute-bound instead: it widens blocks of weights to float32 and
 // runs OpenBLAS sgemm on them. Its rows agree with the single-row results to float rounding, not bitwise;
 // prefill is the same computation in plain and speculative decoding, so this costs no losslessness.
