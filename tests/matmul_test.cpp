@@ -46,6 +46,18 @@ std::vector<float> random_vector(size_t n, uint64_t seed) {
 
 class MatmulTest : public ::testing::TestWithParam<WeightType> {};
 
+// Every kernel family this CPU runs (an AVX-512 machine also tests the AVX2 and scalar kernels).
+std::vector<MatmulKernel> supported_kernels() {
+  std::vector<MatmulKernel> kernels;
+  for (MatmulKernel k : {MatmulKernel::kScalar, MatmulKernel::kAvx2, MatmulKernel::kAvx512})
+    if (matmul_kernel_supported(k)) kernels.push_back(k);
+  return kernels;
+}
+
+const char* kernel_name(MatmulKernel k) {
+  return k == MatmulKernel::kAvx512 ? "avx512" : k == MatmulKernel::kAvx2 ? "avx2" : "scalar";
+}
+
 TEST_P(MatmulTest, MatchesDoubleReference) {
   for (auto [rows, cols] :
        {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {13, 16}, {33, 100}, {64, 257}, {17, 1024}, {9, 1072}}) {
@@ -53,32 +65,35 @@ TEST_P(MatmulTest, MatchesDoubleReference) {
     for (int64_t m : {1, 3, 4, 5, 37}) {
       auto x = random_vector(static_cast<size_t>(m * cols), 2);
       std::vector<float> y(static_cast<size_t>(m * rows)), ref(y.size());
-      matmul(w.view, x.data(), m, y.data());
       matmul_reference(w.view, x.data(), m, ref.data());
-      for (size_t i = 0; i < y.size(); ++i)
-        ASSERT_NEAR(y[i], ref[i], 1e-5 * std::sqrt(static_cast<double>(cols)) + 1e-6 * std::abs(ref[i]))
-            << "rows=" << rows << " cols=" << cols << " m=" << m << " i=" << i;
+      for (MatmulKernel kernel : supported_kernels()) {
+        matmul(w.view, x.data(), m, y.data(), kernel);
+        for (size_t i = 0; i < y.size(); ++i)
+          ASSERT_NEAR(y[i], ref[i], 1e-5 * std::sqrt(static_cast<double>(cols)) + 1e-6 * std::abs(ref[i]))
+              << kernel_name(kernel) << " rows=" << rows << " cols=" << cols << " m=" << m << " i=" << i;
+      }
     }
   }
 }
 
-void check_batch_invariance(WeightType type, int64_t rows, int64_t cols) {
+void check_batch_invariance(WeightType type, MatmulKernel kernel, int64_t rows, int64_t cols) {
   Matrix w = make_matrix(type, rows, cols, 3);
   const int64_t max_m = 11;
   auto x = random_vector(static_cast<size_t>(max_m * cols), 4);
   std::vector<float> single(static_cast<size_t>(max_m * rows));
   for (int64_t r = 0; r < max_m; ++r)
-    matmul(w.view, &x[static_cast<size_t>(r * cols)], 1, &single[static_cast<size_t>(r * rows)]);
+    matmul(w.view, &x[static_cast<size_t>(r * cols)], 1, &single[static_cast<size_t>(r * rows)], kernel);
   const int saved_threads = omp_get_max_threads();
   for (int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
     for (int64_t start = 0; start < 3; ++start) {
       for (int64_t m = 1; start + m <= max_m; ++m) {
         std::vector<float> y(static_cast<size_t>(m * rows));
-        matmul(w.view, &x[static_cast<size_t>(start * cols)], m, y.data());
+        matmul(w.view, &x[static_cast<size_t>(start * cols)], m, y.data(), kernel);
         ASSERT_EQ(0,
                   std::memcmp(y.data(), &single[static_cast<size_t>(start * rows)], y.size() * sizeof(float)))
-            << "cols=" << cols << " threads=" << threads << " start=" << start << " m=" << m;
+            << kernel_name(kernel) << " cols=" << cols << " threads=" << threads << " start=" << start
+            << " m=" << m;
       }
     }
   }
@@ -90,7 +105,8 @@ void check_batch_invariance(WeightType type, int64_t rows, int64_t cols) {
 TEST_P(MatmulTest, BatchInvariantBitwise) {
   // 300: whole blocks then a scalar tail; 1072 = 33 x 32 + 16 = 16 x 64 + 48: a partial block of whole
   // vectors on AVX2 and on AVX-512.
-  for (const int64_t cols : {300, 1072}) check_batch_invariance(GetParam(), 75, cols);
+  for (MatmulKernel kernel : supported_kernels())
+    for (const int64_t cols : {300, 1072}) check_batch_invariance(GetParam(), kernel, 75, cols);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllTypes, MatmulTest,

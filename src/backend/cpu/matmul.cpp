@@ -234,19 +234,17 @@ void rows_scalar(const WeightMatrix& w, const Activations& /*xs*/, const float* 
   }
 }
 
-enum class Path { kAvx512, kAvx2, kScalar };
-
-Path detect_path() {
+MatmulKernel detect_path() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl"))
-    return Path::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Path::kAvx2;
-  return Path::kScalar;
+    return MatmulKernel::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return MatmulKernel::kAvx2;
+  return MatmulKernel::kScalar;
 }
 
-Path path() {
-  static const Path p = detect_path();  // a property of the CPU, computed once
+MatmulKernel path() {
+  static const MatmulKernel p = detect_path();  // a property of the CPU, computed once
   return p;
 }
 
@@ -262,7 +260,7 @@ struct KernelSet {
 };
 
 template <WeightType T>
-const KernelSet& kernels_for(Path p) {
+const KernelSet& kernels_for(MatmulKernel p) {
   static const KernelSet avx512 = {
       {rows_avx512<T, 1>, rows_avx512<T, 2>, rows_avx512<T, 3>, rows_avx512<T, 4>}, 4, false};
   static const KernelSet avx2 = {
@@ -270,27 +268,27 @@ const KernelSet& kernels_for(Path p) {
   static const KernelSet scalar = {
       {rows_scalar<T, 1>, rows_scalar<T, 2>, rows_scalar<T, 3>, rows_scalar<T, 4>}, 4, false};
   switch (p) {
-    case Path::kAvx512:
+    case MatmulKernel::kAvx512:
       return avx512;
-    case Path::kAvx2:
+    case MatmulKernel::kAvx2:
       return avx2;
-    case Path::kScalar:
+    case MatmulKernel::kScalar:
       return scalar;
   }
   return scalar;
 }
 
-const KernelSet& select_kernels(WeightType type) {
+const KernelSet& select_kernels(WeightType type, MatmulKernel kernel) {
   switch (type) {
     case WeightType::kF32:
-      return kernels_for<WeightType::kF32>(path());
+      return kernels_for<WeightType::kF32>(kernel);
     case WeightType::kF16:
-      return kernels_for<WeightType::kF16>(path());
+      return kernels_for<WeightType::kF16>(kernel);
     case WeightType::kBF16:
     case WeightType::kAffine:
       break;
   }
-  return kernels_for<WeightType::kBF16>(path());
+  return kernels_for<WeightType::kBF16>(kernel);
 }
 
 // Prefill: y = x W^T through sgemm, on blocks of output rows widened to float32 (f32 weights are used
@@ -341,7 +339,21 @@ int64_t weight_bytes(const WeightMatrix& w) {
   return 0;
 }
 
-void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
+bool matmul_kernel_supported(MatmulKernel kernel) {
+  switch (kernel) {
+    case MatmulKernel::kAvx512:
+      return path() == MatmulKernel::kAvx512;
+    case MatmulKernel::kAvx2:
+      return path() != MatmulKernel::kScalar;
+    case MatmulKernel::kScalar:
+      return true;
+  }
+  return false;
+}
+
+void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) { matmul(w, x, m, y, path()); }
+
+void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKernel kernel) {
   if (m <= 0 || w.rows <= 0) return;
   if (w.type == WeightType::kAffine) {
     affine_matmul(w, x, m, y);  // quant_matmul.cpp
@@ -355,7 +367,7 @@ void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
     matmul_gemm(w, x, m, y);
     return;
   }
-  const KernelSet& set = select_kernels(w.type);
+  const KernelSet& set = select_kernels(w.type, kernel);
   std::vector<float> buffer;
   const Activations xs = prepare_activations(x, m, w.cols, set.permuted_x, buffer);
   // Threads take contiguous ranges of output features (schedule static), so each streams one part of the
@@ -402,11 +414,11 @@ void weight_row_to_f32(const WeightMatrix& w, int64_t row, float* out) {
 
 const char* simd_path() {
   switch (path()) {
-    case Path::kAvx512:
+    case MatmulKernel::kAvx512:
       return "avx512";
-    case Path::kAvx2:
+    case MatmulKernel::kAvx2:
       return "avx2";
-    case Path::kScalar:
+    case MatmulKernel::kScalar:
       return "scalar";
   }
   return "scalar";

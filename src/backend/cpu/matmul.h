@@ -48,6 +48,13 @@ int64_t weight_bytes(const WeightMatrix& w);
 // x: [M, W.cols] float32 row-major; y: [M, W.rows] float32 row-major (must not alias x).
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y);
 
+// The SIMD families of the small-M kernels. matmul() uses the one simd_path() names; tests run every one
+// this CPU supports (each is batch-invariant on its own; they differ from one another in the last bits).
+// kAvx2 runs on AVX-512 CPUs too. Affine weights ignore the choice (see affine_matmul's AffineKernel).
+enum class MatmulKernel { kAvx512, kAvx2, kScalar };
+bool matmul_kernel_supported(MatmulKernel kernel);
+void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKernel kernel);
+
 // The same product computed in the plainest way (double accumulation): the oracle for tests.
 void matmul_reference(const WeightMatrix& w, const float* x, int64_t m, float* y);
 
