@@ -103,10 +103,11 @@ void check_batch_invariance(WeightType type, MatmulKernel kernel, int64_t rows, 
 // The property greedy MTP relies on: a row's result is bit-identical whether it is computed alone or
 // together with other rows (any M, any position inside the batch, any thread count).
 TEST_P(MatmulTest, BatchInvariantBitwise) {
-  // 300: whole blocks then a scalar tail; 1072 = 33 x 32 + 16 = 16 x 64 + 48: a partial block of whole
-  // vectors on AVX2 and on AVX-512.
+  // 300: whole blocks then a scalar tail; 304 = 9 x 32 + 16 = 4 x 64 + 48 and 1072 = 33 x 32 + 16 =
+  // 16 x 64 + 48: a partial block of whole vectors on AVX2 and on AVX-512, in short rows (kernels of
+  // several output rows) and long ones (one output row at a time).
   for (MatmulKernel kernel : supported_kernels())
-    for (const int64_t cols : {300, 1072}) check_batch_invariance(GetParam(), kernel, 75, cols);
+    for (const int64_t cols : {300, 304, 1072}) check_batch_invariance(GetParam(), kernel, 75, cols);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllTypes, MatmulTest,
