@@ -34,13 +34,14 @@ float load_scalar(const void* data, WeightType type, int64_t index) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Small-M kernels (decode and verify windows), memory-bound: every weight byte is read once per call.
+// Small-M kernels (decode and verify windows): every weight byte is read once per call.
 //
 // A kernel walks a range of output features one at a time and reads each weight row from start to end,
 // so a thread's whole share of the matrix is one sequential stream. (Tiles of several output rows read
-// several interleaved 2-7 KB streams instead; on the AVX2 EPYC that streamed at 58% of a plain read where
-// one sequential stream reaches 100%: bench/bench_core's decode, BENCHMARKS.md.) The NR activation rows
-// of a call share each weight load; a row block wider than the register file is split into several calls,
+// several interleaved 2-7 KB streams instead: on the 2-core AVX-512 EPYC, tiles of 8 rows streamed at
+// 0.65-0.80 of a plain read where one sequential stream reaches 0.95-1.0; BENCHMARKS.md, session 5.) The
+// NR activation rows of a call share each weight load (windows of several rows are bound by the
+// activation loads, one per FMA); a row block wider than the register file is split into several calls,
 // which re-read the weight row from L1.
 //
 // Batch invariance: for one (m, o), every kernel of a path runs the same operations whatever NR is: k
