@@ -24,10 +24,84 @@ void apply_partial_rope(float* x, int64_t rotary_dim, double theta, int64_t pos)
   }
 }
 
+namespace {
+
+// Softmax of scores[0..n) in place (max-subtracted), scaled so the weights sum to 1.
+void softmax_in_place(float* scores, int64_t n) {
+  float max_score = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) max_score = std::max(max_score, scores[j]);
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = std::exp(scores[j] - max_score);
+    sum += scores[j];
+  }
+  const float inv_sum = 1.0f / sum;
+  for (int64_t j = 0; j < n; ++j) scores[j] *= inv_sum;
+}
+
+// Decode and verify windows: one (query, head) at a time with dot products and axpys in key order, so a
+// row's result does not depend on how many rows share the call (batch invariance).
+// qg: [T, nq, 2D] (query | gate); o: [T, nq, D].
+void attend_rows(const float* qg, const KvCache& cache, int64_t p0, int64_t T, int64_t nq, int64_t nkv,
+                 int64_t D, float scale, float* o) {
+  const int64_t group = nq / nkv, max_keys = p0 + T;
+#pragma omp parallel if (T * nq * max_keys * D >= (1 << 16))
+  {
+    std::vector<float> scores(static_cast<size_t>(max_keys));
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t hq = 0; hq < nq; ++hq) {
+        const int64_t n_keys = p0 + t + 1;
+        const int64_t hk = hq / group;
+        const float* q = &qg[(t * nq + hq) * 2 * D];
+        for (int64_t j = 0; j < n_keys; ++j)
+          scores[static_cast<size_t>(j)] =
+              cpu::dot(q, &cache.keys[static_cast<size_t>((j * nkv + hk) * D)], D) * scale;
+        softmax_in_place(scores.data(), n_keys);
+        float* od = &o[(t * nq + hq) * D];
+        std::fill_n(od, D, 0.0f);
+        for (int64_t j = 0; j < n_keys; ++j)
+          cpu::axpy(scores[static_cast<size_t>(j)], &cache.values[static_cast<size_t>((j * nkv + hk) * D)], D,
+                    od);
+      }
+    }
+  }
+}
+
+// Prefill: blocks of queries per head as two GEMMs, scores = Q K^T and o = P V (P masked causally).
+void attend_blocks(const float* qg, const KvCache& cache, int64_t p0, int64_t T, int64_t nq, int64_t nkv,
+                   int64_t D, float scale, float* o) {
+  constexpr int64_t kBlock = 64;
+  const int64_t group = nq / nkv, blocks = (T + kBlock - 1) / kBlock;
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic) collapse(2)
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t hq = 0; hq < nq; ++hq) {
+        const int64_t t0 = b * kBlock, rows = std::min(kBlock, T - t0), n = p0 + t0 + rows;
+        const int64_t hk = hq / group;
+        scores.resize(static_cast<size_t>(rows * n));
+        cpu::gemm(false, true, rows, n, D, scale, &qg[(t0 * nq + hq) * 2 * D], nq * 2 * D,
+                  &cache.keys[hk * D], nkv * D, 0.0f, scores.data(), n);
+        for (int64_t i = 0; i < rows; ++i) {
+          float* si = &scores[static_cast<size_t>(i * n)];
+          const int64_t n_keys = p0 + t0 + i + 1;
+          softmax_in_place(si, n_keys);
+          std::fill(si + n_keys, si + n, 0.0f);
+        }
+        cpu::gemm(false, false, rows, D, n, 1.0f, scores.data(), n, &cache.values[hk * D], nkv * D, 0.0f,
+                  &o[(t0 * nq + hq) * D], nq * D);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, KvCache& cache, int64_t p0,
                              const float* h, int64_t T, float* out) {
   const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_kv_heads;
-  const int64_t group = nq / nkv;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
 
@@ -67,39 +141,16 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
 
   // o[t, hq] = softmax(q k^T / sqrt(D)) v over positions 0..p0+t, then * sigmoid(gate).
   std::vector<float> o(static_cast<size_t>(T * nq * D));  // [T, nq, D]
-  const int64_t max_keys = p0 + T;
-#pragma omp parallel if (T * nq * max_keys * D >= (1 << 16))
-  {
-    std::vector<float> scores(static_cast<size_t>(max_keys));
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t hq = 0; hq < nq; ++hq) {
-        const int64_t n_keys = p0 + t + 1;
-        const int64_t hk = hq / group;
-        const float* q = &qg[static_cast<size_t>((t * nq + hq) * 2 * D)];
-        float max_score = -INFINITY;
-        for (int64_t j = 0; j < n_keys; ++j) {
-          const float s = cpu::dot(q, &cache.keys[static_cast<size_t>((j * nkv + hk) * D)], D) * scale;
-          scores[static_cast<size_t>(j)] = s;
-          max_score = std::max(max_score, s);
-        }
-        float sum = 0.0f;
-        for (int64_t j = 0; j < n_keys; ++j) {
-          const float e = std::exp(scores[static_cast<size_t>(j)] - max_score);
-          scores[static_cast<size_t>(j)] = e;
-          sum += e;
-        }
-        float* od = &o[static_cast<size_t>((t * nq + hq) * D)];
-        std::fill_n(od, D, 0.0f);
-        const float inv_sum = 1.0f / sum;
-        for (int64_t j = 0; j < n_keys; ++j)
-          cpu::axpy(scores[static_cast<size_t>(j)] * inv_sum,
-                    &cache.values[static_cast<size_t>((j * nkv + hk) * D)], D, od);
-        const float* gate = q + D;
-        for (int64_t d = 0; d < D; ++d) od[d] *= cpu::sigmoid(gate[d]);
-      }
+  if (T >= cpu::kGemmMinRows)
+    attend_blocks(qg.data(), cache, p0, T, nq, nkv, D, scale, o.data());
+  else
+    attend_rows(qg.data(), cache, p0, T, nq, nkv, D, scale, o.data());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t hq = 0; hq < nq; ++hq) {
+      float* od = &o[static_cast<size_t>((t * nq + hq) * D)];
+      const float* gate = &qg[static_cast<size_t>((t * nq + hq) * 2 * D + D)];
+      for (int64_t d = 0; d < D; ++d) od[d] *= cpu::sigmoid(gate[d]);
     }
-  }
   cpu::matmul(w.o_proj, o.data(), T, out);
 }
 

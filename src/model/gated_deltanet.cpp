@@ -39,79 +39,67 @@ void delta_rule_recurrent(const float* q, const float* k, const float* v, const 
   }
 }
 
-// §4.3, chunks of C (the last one zero-padded: beta = g = 0 rows change nothing). Within a chunk with
-// cumulative log-decay G and incoming state S:
+// §4.3, chunks of C (the last one may be shorter: n rows). Within a chunk with cumulative log-decay G and
+// incoming state S:
 //   A = strictly_lower((beta K) K^T . Dec),  Tinv = (I + A)^-1,  U = Tinv (beta V),  W = Tinv (beta K e^G)
 //   Vnew = U - W S;  O = (Q e^G) S + ((Q K^T) . Dec_incl_diag) Vnew;  S = e^{G_last} S + (K e^{G_last - G})^T
 //   Vnew
+// Every product is a small GEMM (n x n, n x Dk, n x Dv with n <= 64): prefill work, where the order of
+// the sums is free (the recurrent form serves decode and verify windows).
 void delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                         int64_t T, int64_t dk, int64_t dv, float* S, float* o, int64_t qk_stride,
                         int64_t v_stride, int64_t o_stride) {
   const int64_t C = kDeltaNetChunkSize;
-  std::vector<float> G(C), A(C * C), U(C * dv), W(C * dk), vnew(C * dv), qk(C * C), kb(C * dk), ws(dv);
+  std::vector<float> G(C), A(C * C), P(C * C), row(C), kb(C * dk), qg(C * dk), vb(C * dv), W(C * dk),
+      U(C * dv);
   for (int64_t c0 = 0; c0 < T; c0 += C) {
-    const int64_t n = std::min(C, T - c0);  // real rows; rows n..C-1 are padding (zero)
+    const int64_t n = std::min(C, T - c0);
+    const float* K = k + c0 * qk_stride;
+    const float* Q = q + c0 * qk_stride;
+    const float* V = v + c0 * v_stride;
+    const float* b = beta + c0;
+    float* O = o + c0 * o_stride;
     float acc = 0.0f;
-    for (int64_t i = 0; i < C; ++i) {
-      acc += i < n ? g[c0 + i] : 0.0f;
-      G[i] = acc;
-    }
-    auto krow = [&](int64_t i) { return k + (c0 + i) * qk_stride; };
-    auto qrow = [&](int64_t i) { return q + (c0 + i) * qk_stride; };
-    auto vrow = [&](int64_t i) { return v + (c0 + i) * v_stride; };
+    for (int64_t i = 0; i < n; ++i) G[i] = acc += g[c0 + i];
     // A[i][j] = -(beta_i k_i . k_j) e^{G_i - G_j} for j < i (the form transformers builds before inverting).
-    std::fill(A.begin(), A.end(), 0.0f);
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < i; ++j)
-        A[i * C + j] = -(beta[c0 + i] * cpu::dot(krow(i), krow(j), dk)) * std::exp(G[i] - G[j]);
-    }
-    // Forward substitution: row i += row_i[:i] . A[:i, :i] (gives (I + A')^-1 - I for A' = -A).
+    cpu::gemm(false, true, n, n, dk, 1.0f, K, qk_stride, K, qk_stride, 0.0f, A.data(), n);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j)
+        A[i * n + j] = j < i ? -(b[i] * A[i * n + j]) * std::exp(G[i] - G[j]) : 0.0f;
+    // Forward substitution, row by row: row_i[:i] += row_i[:i] . A[:i, :i] over the finished rows above
+    // (gives (I + A')^-1 - I for A' = -A; finished row m is zero from column m on).
     for (int64_t i = 1; i < n; ++i) {
-      std::vector<float> row(A.begin() + i * C, A.begin() + i * C + i);
-      for (int64_t j = 0; j < i; ++j) {
-        float s = 0.0f;
-        for (int64_t m = 0; m < i; ++m) s += row[static_cast<size_t>(m)] * A[m * C + j];
-        A[i * C + j] = row[static_cast<size_t>(j)] + s;
-      }
+      float* ri = &A[i * n];
+      std::copy_n(ri, i, row.data());
+      for (int64_t m = 1; m < i; ++m) cpu::axpy(row[m], &A[m * n], m, ri);
     }
-    for (int64_t i = 0; i < n; ++i) A[i * C + i] = 1.0f;  // Tinv = A + I
+    for (int64_t i = 0; i < n; ++i) A[i * n + i] = 1.0f;  // Tinv = A + I
     // U = Tinv (beta V);  W = Tinv (beta K e^G)
     for (int64_t i = 0; i < n; ++i) {
-      float* u = &U[i * dv];
-      float* wr = &W[i * dk];
-      std::fill_n(u, dv, 0.0f);
-      std::fill_n(wr, dk, 0.0f);
-      for (int64_t j = 0; j <= i; ++j) {
-        const float a = A[i * C + j];
-        cpu::axpy(a * beta[c0 + j], vrow(j), dv, u);
-        cpu::axpy(a * beta[c0 + j] * std::exp(G[j]), krow(j), dk, wr);
-      }
+      const float fk = b[i] * std::exp(G[i]);
+      for (int64_t d = 0; d < dk; ++d) kb[i * dk + d] = fk * K[i * qk_stride + d];
+      for (int64_t d = 0; d < dv; ++d) vb[i * dv + d] = b[i] * V[i * v_stride + d];
     }
-    // Vnew = U - W S
+    cpu::gemm(false, false, n, dv, n, 1.0f, A.data(), n, vb.data(), dv, 0.0f, U.data(), dv);
+    cpu::gemm(false, false, n, dk, n, 1.0f, A.data(), n, kb.data(), dk, 0.0f, W.data(), dk);
+    // Vnew = U - W S (in U)
+    cpu::gemm(false, false, n, dv, dk, -1.0f, W.data(), dk, S, dv, 1.0f, U.data(), dv);
+    // O = (Q e^G) S + P Vnew,  P[i][j] = (q_i . k_j) e^{G_i - G_j} for j <= i
+    cpu::gemm(false, true, n, n, dk, 1.0f, Q, qk_stride, K, qk_stride, 0.0f, P.data(), n);
     for (int64_t i = 0; i < n; ++i) {
-      std::fill(ws.begin(), ws.end(), 0.0f);
-      for (int64_t d = 0; d < dk; ++d) cpu::axpy(W[i * dk + d], S + d * dv, dv, ws.data());
-      for (int64_t j = 0; j < dv; ++j) vnew[i * dv + j] = U[i * dv + j] - ws[static_cast<size_t>(j)];
-    }
-    // O = (Q e^G) S + ((Q K^T) . Dec) Vnew
-    for (int64_t i = 0; i < n; ++i) {
-      float* ot = o + (c0 + i) * o_stride;
-      std::fill_n(ot, dv, 0.0f);
+      for (int64_t j = 0; j < n; ++j) P[i * n + j] = j <= i ? P[i * n + j] * std::exp(G[i] - G[j]) : 0.0f;
       const float eg = std::exp(G[i]);
-      for (int64_t d = 0; d < dk; ++d) cpu::axpy(qrow(i)[d] * eg, S + d * dv, dv, ot);
-      for (int64_t j = 0; j <= i; ++j) {
-        const float a = cpu::dot(qrow(i), krow(j), dk) * std::exp(G[i] - G[j]);
-        cpu::axpy(a, &vnew[j * dv], dv, ot);
-      }
+      for (int64_t d = 0; d < dk; ++d) qg[i * dk + d] = eg * Q[i * qk_stride + d];
     }
+    cpu::gemm(false, false, n, dv, dk, 1.0f, qg.data(), dk, S, dv, 0.0f, O, o_stride);
+    cpu::gemm(false, false, n, dv, n, 1.0f, P.data(), n, U.data(), dv, 1.0f, O, o_stride);
     // S = e^{G_last} S + sum_i (k_i e^{G_last - G_i}) Vnew_i^T
-    const float g_last = G[C - 1];
-    const float e_last = std::exp(g_last);
-    for (int64_t d = 0; d < dk * dv; ++d) S[d] *= e_last;
+    const float g_last = G[n - 1];
     for (int64_t i = 0; i < n; ++i) {
       const float f = std::exp(g_last - G[i]);
-      for (int64_t d = 0; d < dk; ++d) cpu::axpy(krow(i)[d] * f, &vnew[i * dv], dv, S + d * dv);
+      for (int64_t d = 0; d < dk; ++d) kb[i * dk + d] = f * K[i * qk_stride + d];
     }
+    cpu::gemm(true, false, dk, dv, n, 1.0f, kb.data(), dk, U.data(), dv, std::exp(g_last), S, dv);
   }
 }
 
@@ -131,19 +119,29 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
   cpu::matmul(w.in_proj_b, h, T, b.data());
   cpu::matmul(w.in_proj_a, h, T, a.data());
 
-  // Causal depthwise conv over [conv state (Kc-1 rows) ; qkv (T rows)], then SiLU (§4.1).
+  // Causal depthwise conv over [conv state (Kc-1 rows) ; qkv (T rows)], then SiLU (§4.1). Per channel the
+  // taps are summed in order j = 0..Kc-1 from 0, whatever T is; the weights are transposed so that the
+  // channel loop runs over contiguous memory.
   std::vector<float> x(static_cast<size_t>(T * conv_dim));  // [T, conv_dim] post-conv
   auto input_row = [&](int64_t r) -> const float* {         // r indexes the concatenation
     return r < Kc - 1 ? &state.conv[static_cast<size_t>(r * conv_dim)]
                       : &qkv[static_cast<size_t>((r - (Kc - 1)) * conv_dim)];
   };
+  std::vector<float> taps(static_cast<size_t>(Kc * conv_dim));  // [Kc, conv_dim]
+  for (int64_t ch = 0; ch < conv_dim; ++ch)
+    for (int64_t j = 0; j < Kc; ++j)
+      taps[static_cast<size_t>(j * conv_dim + ch)] = w.conv1d[static_cast<size_t>(ch * Kc + j)];
+  const bool many_rows = T >= kDeltaNetChunkedMinTokens;  // prefill: worth a thread team
+#pragma omp parallel for schedule(static) if (many_rows)
   for (int64_t t = 0; t < T; ++t) {
     float* xt = &x[static_cast<size_t>(t * conv_dim)];
-    for (int64_t ch = 0; ch < conv_dim; ++ch) {
-      float s = 0.0f;
-      for (int64_t j = 0; j < Kc; ++j) s += w.conv1d[static_cast<size_t>(ch * Kc + j)] * input_row(t + j)[ch];
-      xt[ch] = cpu::silu(s);
+    std::fill_n(xt, conv_dim, 0.0f);
+    for (int64_t j = 0; j < Kc; ++j) {
+      const float* in = input_row(t + j);
+      const float* tap = &taps[static_cast<size_t>(j * conv_dim)];
+      for (int64_t ch = 0; ch < conv_dim; ++ch) xt[ch] += tap[ch] * in[ch];
     }
+    for (int64_t ch = 0; ch < conv_dim; ++ch) xt[ch] = cpu::silu(xt[ch]);
   }
   if (record_window) {
     DeltaNetWindow& win = state.window;
@@ -164,6 +162,7 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
   // dt_bias).
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
   std::vector<float> beta(static_cast<size_t>(T * Hv)), g(static_cast<size_t>(T * Hv));
+#pragma omp parallel for schedule(static) if (many_rows)
   for (int64_t t = 0; t < T; ++t) {
     float* xt = &x[static_cast<size_t>(t * conv_dim)];
     for (int64_t hk = 0; hk < Hk; ++hk) {
@@ -211,6 +210,7 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
 
   // Gated RMSNorm per value head (plain weight, norm before gate): o = norm(o) * w * silu(z) (§4.4).
   const float eps = static_cast<float>(c.rms_norm_eps);
+#pragma omp parallel for schedule(static) if (many_rows)
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t hv = 0; hv < Hv; ++hv) {
       float* oh = &o[static_cast<size_t>((t * Hv + hv) * Dv)];

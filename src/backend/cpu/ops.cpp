@@ -1,5 +1,7 @@
 #include "backend/cpu/ops.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -40,6 +42,14 @@ MTPX_MULTIVERSION float dot(const float* a, const float* b, int64_t n) {
 
 MTPX_MULTIVERSION void axpy(float a, const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans, transpose_b ? CblasTrans : CblasNoTrans,
+              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda),
+              b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
 }
 
 bool all_finite(const float* x, int64_t n) {

@@ -31,6 +31,12 @@ float dot(const float* a, const float* b, int64_t n);
 // y[i] += a * x[i]
 void axpy(float a, const float* x, int64_t n, float* y);
 
+// C = alpha op(A) op(B) + beta C on row-major float32 matrices, op(X) = X or X^T: C [m, n], op(A) [m, k],
+// op(B) [k, n], leading dimensions in floats. OpenBLAS sgemm: multi-threaded when called alone, serial
+// inside an OpenMP parallel region (the OpenMP build of OpenBLAS). Not batch-invariant: for prefill only.
+void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
 // True when no element is NaN or +-Inf.
 bool all_finite(const float* x, int64_t n);
 
