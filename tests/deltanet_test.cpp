@@ -56,6 +56,37 @@ TEST(DeltaRule, ChunkedEqualsRecurrent) {
   }
 }
 
+// The decode-attention kernels against a double-precision sum, on sizes with every kind of tail (keys
+// not a multiple of 4, dims past the 64-wide blocks and past the 8-lane vectors), and each output the same
+// bits whatever the number of keys in the call.
+TEST(AttentionKernels, MatchDoubleSumsAndDoNotDependOnTheKeyCount) {
+  const int64_t n = 11, d = 90, stride = 100;
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> q(d), rows(n * stride), weights(n);
+  for (float& x : q) x = normal(rng);
+  for (float& x : rows) x = normal(rng);
+  for (float& x : weights) x = normal(rng);
+  std::vector<float> scores(n), out(d);
+  cpu::dot_rows(q.data(), rows.data(), stride, n, d, 0.5f, scores.data());
+  cpu::weighted_row_sum(weights.data(), rows.data(), stride, n, d, out.data());
+  for (int64_t j = 0; j < n; ++j) {
+    double s = 0;
+    for (int64_t i = 0; i < d; ++i) s += static_cast<double>(q[i]) * rows[j * stride + i];
+    EXPECT_NEAR(scores[j], 0.5 * s, 1e-5 * (1 + std::abs(s))) << "key " << j;
+  }
+  for (int64_t i = 0; i < d; ++i) {
+    double s = 0;
+    for (int64_t j = 0; j < n; ++j) s += static_cast<double>(weights[j]) * rows[j * stride + i];
+    EXPECT_NEAR(out[i], s, 1e-5 * (1 + std::abs(s))) << "dim " << i;
+  }
+  for (int64_t m : {1, 3, 4, 7}) {
+    std::vector<float> part(m);
+    cpu::dot_rows(q.data(), rows.data(), stride, m, d, 0.5f, part.data());
+    for (int64_t j = 0; j < m; ++j) EXPECT_EQ(part[j], scores[j]) << m << " keys, key " << j;
+  }
+}
+
 // One recurrent step from the state left by a window equals the window's next row: the recurrence has
 // no dependence on how tokens are grouped (what lets a verify window replace decode steps exactly).
 TEST(DeltaRule, RecurrentIsIndependentOfGrouping) {

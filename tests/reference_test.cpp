@@ -116,6 +116,25 @@ TEST_P(ReferenceTest, DecodeStepsEqualPrefill) {
   }
 }
 
+// A prompt prefilled in two parts (the second one on top of a cache and a DeltaNet state, as a second
+// chat turn does: chunked delta rule from a non-zero state, blocked attention at an offset) matches the
+// reference logits of the whole prompt.
+TEST_P(ReferenceTest, PrefillOnTopOfAContextMatchesTransformers) {
+  const int64_t V = model_->config().vocab_size;
+  auto prompt = read<int32_t>(*reference_, "prompt_2");
+  auto want = read<float>(*reference_, "logits_2");
+  const size_t split = 20;
+  ASSERT_GE(prompt.size(), split + static_cast<size_t>(cpu::kGemmMinRows)) << "second part must be a prefill";
+  InferenceState state = model_->new_state(static_cast<int64_t>(prompt.size()));
+  ForwardResult first, second;
+  model_->forward(state, std::span<const int32_t>(prompt.data(), split), LogitRows::kAll, first);
+  model_->forward(state, std::span<const int32_t>(prompt.data() + split, prompt.size() - split),
+                  LogitRows::kAll, second);
+  std::vector<float> got = first.logits;
+  got.insert(got.end(), second.logits.begin(), second.logits.end());
+  expect_rows_close(got, want, V, "two-part prefill logits");
+}
+
 // A verify window of K+1 tokens computes bit-for-bit what K+1 single decode steps compute: the property
 // that makes greedy speculative decoding lossless.
 TEST_P(ReferenceTest, VerifyWindowIsBitwiseEqualToDecodeSteps) {

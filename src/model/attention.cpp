@@ -39,8 +39,8 @@ void softmax_in_place(float* scores, int64_t n) {
   for (int64_t j = 0; j < n; ++j) scores[j] *= inv_sum;
 }
 
-// Decode and verify windows: one (query, head) at a time with dot products and axpys in key order, so a
-// row's result does not depend on how many rows share the call (batch invariance).
+// Decode and verify windows: one (query, head) at a time, in key order, so a row's result does not depend
+// on how many rows share the call (batch invariance).
 // qg: [T, nq, 2D] (query | gate); o: [T, nq, D].
 void attend_rows(const float* qg, const KvCache& cache, int64_t p0, int64_t T, int64_t nq, int64_t nkv,
                  int64_t D, float scale, float* o) {
@@ -54,15 +54,10 @@ void attend_rows(const float* qg, const KvCache& cache, int64_t p0, int64_t T, i
         const int64_t n_keys = p0 + t + 1;
         const int64_t hk = hq / group;
         const float* q = &qg[(t * nq + hq) * 2 * D];
-        for (int64_t j = 0; j < n_keys; ++j)
-          scores[static_cast<size_t>(j)] =
-              cpu::dot(q, &cache.keys[static_cast<size_t>((j * nkv + hk) * D)], D) * scale;
+        cpu::dot_rows(q, &cache.keys[static_cast<size_t>(hk * D)], nkv * D, n_keys, D, scale, scores.data());
         softmax_in_place(scores.data(), n_keys);
-        float* od = &o[(t * nq + hq) * D];
-        std::fill_n(od, D, 0.0f);
-        for (int64_t j = 0; j < n_keys; ++j)
-          cpu::axpy(scores[static_cast<size_t>(j)], &cache.values[static_cast<size_t>((j * nkv + hk) * D)], D,
-                    od);
+        cpu::weighted_row_sum(scores.data(), &cache.values[static_cast<size_t>(hk * D)], nkv * D, n_keys, D,
+                              &o[(t * nq + hq) * D]);
       }
     }
   }

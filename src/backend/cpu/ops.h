@@ -31,6 +31,16 @@ float dot(const float* a, const float* b, int64_t n);
 // y[i] += a * x[i]
 void axpy(float a, const float* x, int64_t n, float* y);
 
+// Attention over a KV cache, one query at a time. rows[j] = rows + j * stride.
+// dot_rows:          out[j] = scale * (q . rows[j]) for j < n;
+// weighted_row_sum:  out[i] = sum_j weights[j] * rows[j][i], j = 0..n-1 in order, for i < d.
+// Each output is computed by the same operations whatever n is (what makes a verify row equal a decode
+// step); several keys or dims are in flight at once, so the FMA latency chains overlap.
+void dot_rows(const float* q, const float* rows, int64_t stride, int64_t n, int64_t d, float scale,
+              float* out);
+void weighted_row_sum(const float* weights, const float* rows, int64_t stride, int64_t n, int64_t d,
+                      float* out);
+
 // C = alpha op(A) op(B) + beta C on row-major float32 matrices, op(X) = X or X^T: C [m, n], op(A) [m, k],
 // op(B) [k, n], leading dimensions in floats. OpenBLAS sgemm: multi-threaded when called alone, serial
 // inside an OpenMP parallel region (the OpenMP build of OpenBLAS). Not batch-invariant: for prefill only.
