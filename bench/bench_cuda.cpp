@@ -24,8 +24,8 @@
 #include "util/error.h"
 #ifdef MTPX_HAVE_CUDA
 #include "backend/cuda/runtime.h"
-#endif
 
+// Helpers of the GPU measurements (a build without CUDA only reports that it has none).
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -45,6 +45,7 @@ int64_t bytes_per_token(const mtpx::Model& m) {
 }
 
 }  // namespace
+#endif
 
 int main(int argc, char** argv) {
   CLI::App app("mtpx GPU benchmark");

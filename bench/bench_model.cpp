@@ -1,111 +1,77 @@
 // Speed of plain vs MTP decoding on a real model and held-out prompts (default: the shipped model and
 // tests/fixtures/trained_default/heldout_samples.json): tok/s, acceptance by position and tokens per step
 // for K = 1..4, greedy and with the model's sampler (T 0.7, top-p 0.95, top-k 20), all in one process.
+// The protocol is mtpx bench's (tools::run_bench): every case runs in every repeat, interleaved, so each
+// MTP case is compared with the plain run of the same repeat ("vs AR" is the median of those paired
+// ratios; the machines these run on drift by 20-30% within a minute).
 //
 //   bench_model [--model DIR] [--samples FILE] [--tokens 64] [--prompts 20] [--threads N] [--repeats 3]
+//               [--max-draft 4] [--draft-vocab N]   (N: MTP drafts from the first N ids, GenerateOptions)
 #include <fmt/core.h>
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include "decode/generate.h"
 #include "model/qwen35.h"
+#include "tools/bench.h"
 
 int main(int argc, char** argv) {
   std::string model_dir = std::string(MTPX_SOURCE_DIR) + "/models/default";
   std::string samples_file =
       std::string(MTPX_SOURCE_DIR) + "/tests/fixtures/trained_default/heldout_samples.json";
-  int64_t tokens = 64, prompts = 20;
+  int64_t tokens = 64, prompts = 20, max_draft = 4, draft_vocab = 0;
   int threads = 0, repeats = 3;
   CLI::App app{"mtpx AR vs MTP on a real model"};
   app.add_option("--model", model_dir);
   app.add_option("--samples", samples_file);
-  app.add_option("--tokens", tokens)->check(CLI::PositiveNumber);
+  app.add_option("--tokens", tokens)->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
   app.add_option("--prompts", prompts)->check(CLI::PositiveNumber);
   app.add_option("--threads", threads)->check(CLI::Range(1, 1024));
-  app.add_option("--repeats", repeats)->check(CLI::PositiveNumber);
+  app.add_option("--repeats", repeats)->check(CLI::Range(1, 1000));
+  app.add_option("--max-draft", max_draft)->check(CLI::Range(int64_t{1}, int64_t{8}));
+  app.add_option("--draft-vocab", draft_vocab)->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   if (threads > 0) omp_set_num_threads(threads);
   auto model = mtpx::Model::load(model_dir);
-  std::ifstream in(samples_file);
-  auto samples = nlohmann::json::parse(in)["samples"];
-  std::vector<std::vector<int32_t>> prompt_list;
-  for (const auto& s : samples)
-    if (static_cast<int64_t>(prompt_list.size()) < prompts)
-      prompt_list.push_back(s["prompt_ids"].get<std::vector<int32_t>>());
 
-  struct Row {
-    std::string sampler;
-    int64_t k;
-    double tok_s, acceptance, tokens_per_step;
-    std::vector<double> by_position;
-  };
-  std::vector<Row> rows;
-  for (int sampled = 0; sampled < 2; ++sampled) {
-    for (int64_t k = 0; k <= 4; ++k) {
-      // Median over repeats of (generated tokens after the first) / decode time, summed over prompts.
-      std::vector<double> rates;
-      mtpx::MtpStats total;
-      total.drafted_by_position.assign(static_cast<size_t>(std::max<int64_t>(k, 1)), 0);
-      total.accepted_by_position = total.drafted_by_position;
-      int64_t produced = 0, steps = 0;
-      for (int rep = 0; rep < repeats; ++rep) {
-        double seconds = 0;
-        int64_t count = 0;
-        for (size_t p = 0; p < prompt_list.size(); ++p) {
-          mtpx::GenerateOptions o;
-          o.max_tokens = tokens;
-          o.draft = k;
-          o.seed = p;
-          o.sampler = sampled ? mtpx::SamplerParams{.temperature = 0.7, .top_k = 20, .top_p = 0.95}
-                              : mtpx::SamplerParams{.temperature = 0.0};
-          const mtpx::GenerateResult r = mtpx::generate(*model, prompt_list[p], o);
-          seconds += r.stats.decode_seconds;
-          count += r.stats.generated_tokens - 1;
-          if (rep == 0 && k > 0) {
-            total.drafted += r.stats.mtp.drafted, total.accepted += r.stats.mtp.accepted;
-            for (size_t i = 0; i < r.stats.mtp.drafted_by_position.size(); ++i) {
-              total.drafted_by_position[i] += r.stats.mtp.drafted_by_position[i];
-              total.accepted_by_position[i] += r.stats.mtp.accepted_by_position[i];
-            }
-            produced += r.stats.generated_tokens - 1, steps += r.stats.mtp.steps;
-          }
-        }
-        rates.push_back(static_cast<double>(count) / seconds);
-      }
-      std::sort(rates.begin(), rates.end());
-      Row row{sampled ? "T0.7/p0.95/k20" : "greedy",
-              k,
-              rates[rates.size() / 2],
-              total.acceptance(),
-              steps ? static_cast<double>(produced) / static_cast<double>(steps) : 1.0,
-              {}};
-      for (size_t i = 0; k > 0 && i < total.drafted_by_position.size(); ++i)
-        row.by_position.push_back(total.drafted_by_position[i] ? double(total.accepted_by_position[i]) /
-                                                                     double(total.drafted_by_position[i])
-                                                               : 0.0);
-      rows.push_back(row);
-    }
-  }
-  fmt::print("model {} | threads {} | {} prompts x {} tokens, median of {} repeats\n", model_dir,
-             omp_get_max_threads(), prompt_list.size(), tokens, repeats);
+  mtpx::tools::BenchProtocol protocol;
+  std::ifstream in(samples_file);
+  for (const auto& s : nlohmann::json::parse(in)["samples"])
+    if (static_cast<int64_t>(protocol.prompts.size()) < prompts)
+      protocol.prompts.push_back(s["prompt_ids"].get<std::vector<int32_t>>());
+  protocol.max_tokens = tokens;
+  protocol.runs = repeats;
+  protocol.draft_vocab = draft_vocab;
+  std::vector<mtpx::tools::BenchCase> cases;
+  for (const auto& [name, sampler] :
+       {std::pair{"greedy", mtpx::SamplerParams{.temperature = 0.0}},
+        std::pair{"T0.7/p0.95/k20", mtpx::SamplerParams{.temperature = 0.7, .top_k = 20, .top_p = 0.95}}})
+    for (int64_t k = 0; k <= max_draft; ++k) cases.push_back({name, sampler, k});
+  const auto results = mtpx::tools::run_bench(*model, protocol, cases);
+
+  fmt::print("model {} | threads {} | {} prompts x {} tokens, median of {} repeats | draft vocabulary {}\n",
+             model_dir, omp_get_max_threads(), protocol.prompts.size(), tokens, repeats,
+             draft_vocab > 0 ? std::to_string(draft_vocab) : "all");
   fmt::print(
-      "| sampler | K | tok/s | vs AR | acceptance | by position | tokens/step "
-      "|\n|---|---|---|---|---|---|---|\n");
-  for (const Row& r : rows) {
-    const Row& ar = *std::find_if(rows.begin(), rows.end(),
-                                  [&](const Row& x) { return x.sampler == r.sampler && x.k == 0; });
-    std::string pos;
-    for (double a : r.by_position) pos += fmt::format("{:.2f} ", a);
-    fmt::print("| {} | {} | {:.0f} | {:.2f} | {} | {}| {:.2f} |\n", r.sampler,
-               r.k ? std::to_string(r.k) : "AR", r.tok_s, r.tok_s / ar.tok_s,
-               r.k ? fmt::format("{:.3f}", r.acceptance) : "-", pos, r.tokens_per_step);
+      "| sampler | K | tok/s | min-max | vs AR (paired) | acceptance | by position | tokens/step "
+      "|\n|---|---|---|---|---|---|---|---|\n");
+  for (const auto& r : results) {
+    const auto& ar = *std::find_if(results.begin(), results.end(), [&](const auto& x) {
+      return x.spec.sampler_name == r.spec.sampler_name && x.spec.draft == 0;
+    });
+    std::vector<double> ratios;
+    for (size_t i = 0; i < r.tok_s.size(); ++i) ratios.push_back(r.tok_s[i] / ar.tok_s[i]);
+    std::string by_position;
+    for (double a : r.acceptance_by_position) by_position += fmt::format("{:.2f} ", a);
+    fmt::print("| {} | {} | {:.0f} | {:.0f}-{:.0f} | {:.2f} | {} | {}| {:.2f} |\n", r.spec.sampler_name,
+               r.spec.draft ? std::to_string(r.spec.draft) : "AR", r.median_tok_s, r.min_tok_s, r.max_tok_s,
+               mtpx::tools::median_of(ratios), r.spec.draft ? fmt::format("{:.3f}", r.mtp.acceptance()) : "-",
+               by_position, r.tokens_per_step);
   }
   return 0;
 }

@@ -18,7 +18,8 @@ jobs=${MTPX_FUZZ_JOBS:-$(nproc)}
 
 # -O1 -g1 keeps executions fast and reports readable; no NDEBUG, so assertions stay on.
 cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DMTPX_FUZZ=ON -DMTPX_BUILD_TESTS=OFF \
-  -DMTPX_BUILD_BENCH=OFF -DMTPX_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" >/dev/null
+  -DMTPX_BUILD_BENCH=OFF -DMTPX_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
+  -DCMAKE_UNITY_BUILD=ON >/dev/null
 cmake --build "$build" --target fuzz_all -j "$jobs"
 
 targets=("$@")

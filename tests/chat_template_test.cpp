@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "server/jinja/template.h"
+#include "test_paths.h"
 #include "util/error.h"
 
 namespace fs = std::filesystem;
@@ -18,8 +19,7 @@ namespace fs = std::filesystem;
 namespace mtpx::server {
 namespace {
 
-const fs::path kSource = MTPX_SOURCE_DIR;
-const fs::path kFixtures = kSource / "tests" / "fixtures" / "chat_template";
+const fs::path kTemplateFixtures = test_paths::kFixtures / "chat_template";
 
 std::string read_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -30,13 +30,13 @@ std::string read_file(const fs::path& path) {
 
 const nlohmann::ordered_json& goldens() {
   static const nlohmann::ordered_json g =
-      nlohmann::ordered_json::parse(read_file(kFixtures / "goldens.json"));
+      nlohmann::ordered_json::parse(read_file(kTemplateFixtures / "goldens.json"));
   return g;
 }
 
 ChatTemplate template_named(const std::string& name) {
-  if (name == "default") return *ChatTemplate::from_model_dir(kSource / "models" / "default");
-  return ChatTemplate(read_file(kFixtures / (name + ".jinja")), goldens()["special_tokens"]);
+  if (name == "default") return *ChatTemplate::from_model_dir(test_paths::kDefaultModel);
+  return ChatTemplate(read_file(kTemplateFixtures / (name + ".jinja")), goldens()["special_tokens"]);
 }
 
 TEST(ChatTemplate, ConversationsMatchTransformers) {
@@ -95,9 +95,8 @@ TEST(ChatTemplate, SyntaxErrorsNameTheLine) {
 }
 
 TEST(ChatTemplate, ModelWithoutTemplateHasNone) {
-  EXPECT_FALSE(
-      ChatTemplate::from_model_dir(kSource / "tests" / "fixtures" / "causal_f16_interval2").has_value());
-  EXPECT_TRUE(ChatTemplate::from_model_dir(kSource / "models" / "default").has_value());
+  EXPECT_FALSE(ChatTemplate::from_model_dir(test_paths::kFixtures / "causal_f16_interval2").has_value());
+  EXPECT_TRUE(ChatTemplate::from_model_dir(test_paths::kDefaultModel).has_value());
 }
 
 }  // namespace

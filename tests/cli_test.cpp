@@ -15,6 +15,7 @@
 
 #include "cli_util.h"
 #include "io/safetensors.h"
+#include "test_paths.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -27,8 +28,8 @@ using testing_util::expect_usage_error;
 using testing_util::run;
 using testing_util::TempDir;
 
-const fs::path kSource = MTPX_SOURCE_DIR;
-const fs::path kFixtures = kSource / "tests" / "fixtures";
+using test_paths::kFixtures;
+using test_paths::kSource;
 
 // A copy of the single-file fixture whose tensors pass through `edit` (name -> keep?, may change
 // dtype/shape).
@@ -182,6 +183,8 @@ TEST(Cli, BadFlagsAreOneLineErrors) {
   const std::string h = " --model " + (kFixtures / "wrapper_sharded_tied_bf16").string();
   expect_usage_error("generate" + h + " --prompt-ids 1 --mtp --draft 0", "--draft");
   expect_usage_error("generate" + h + " --prompt-ids 1 --mtp --draft 9", "--draft");
+  expect_usage_error("generate" + h + " --prompt-ids 1 --mtp --draft-vocab 0", "--draft-vocab");
+  expect_usage_error("bench" + h + " --draft-vocab -5", "--draft-vocab");
 }
 
 TEST(Cli, BadModelDirectoriesAreOneLineErrors) {

@@ -15,6 +15,7 @@
 #include "model/device.h"
 #include "model/mtp_head.h"
 #include "model/qwen35.h"
+#include "test_paths.h"
 #include "tools/checkpoint.h"
 #include "tools/quantize.h"
 #include "util/error.h"
@@ -22,8 +23,8 @@
 namespace mtpx {
 namespace {
 
-const std::filesystem::path kFixtures = std::filesystem::path(MTPX_SOURCE_DIR) / "tests" / "fixtures";
-const std::filesystem::path kDefaultModel = std::filesystem::path(MTPX_SOURCE_DIR) / "models" / "default";
+using test_paths::kDefaultModel;
+using test_paths::kFixtures;
 
 // The model on the GPU, or nullptr with the reason in `why` (no CUDA build, no device).
 std::unique_ptr<Model> on_gpu(const std::filesystem::path& dir, std::string& why) {

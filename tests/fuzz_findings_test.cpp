@@ -21,6 +21,7 @@
 #include "server/jinja/limits.h"
 #include "server/openai_api.h"
 #include "server/tool_calls.h"
+#include "test_paths.h"
 #include "tokenizer/tokenizer.h"
 #include "util/error.h"
 
@@ -30,7 +31,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::ordered_json;
 
-const fs::path kSource = MTPX_SOURCE_DIR;
+using test_paths::kSource;
 
 std::string read_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

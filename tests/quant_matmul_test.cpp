@@ -173,7 +173,10 @@ TEST_P(QuantMatmulTest, BatchInvariantBitwise) {
 
 INSTANTIATE_TEST_SUITE_P(Bits, QuantMatmulTest, ::testing::Values(2, 3, 4, 5, 6, 8),
                          [](const ::testing::TestParamInfo<int>& bits) {
-                           return "b" + std::to_string(bits.param);
+                           // (not "b" + to_string: GCC 12's -Wrestrict false positive in a unity build)
+                           std::string name = "b";
+                           name += std::to_string(bits.param);
+                           return name;
                          });
 
 // weight_row_to_f32 decodes code k of row o to fma(scale, q, bias), whatever the kernel family.

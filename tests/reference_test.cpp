@@ -13,12 +13,13 @@
 #include "io/safetensors.h"
 #include "model/mtp_head.h"
 #include "model/qwen35.h"
+#include "test_paths.h"
 #include "test_util.h"
 
 namespace mtpx {
 namespace {
 
-const std::filesystem::path kFixtures = std::filesystem::path(MTPX_SOURCE_DIR) / "tests" / "fixtures";
+using test_paths::kFixtures;
 constexpr double kRelTolerance = 1e-3;
 constexpr float kMarginForGreedy = 1e-3f;
 

@@ -14,6 +14,7 @@
 #include "model/qwen35.h"
 #include "server/http_server.h"
 #include "server/thread_pool.h"
+#include "test_paths.h"
 #include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -21,12 +22,12 @@ namespace fs = std::filesystem;
 namespace mtpx::server {
 namespace {
 
-const fs::path kModel = fs::path(MTPX_SOURCE_DIR) / "models" / "default";
+using test_paths::kDefaultModel;
 
 class RunningServer {
  public:
   explicit RunningServer(ServerOptions options) {
-    options.model_dir = kModel;
+    options.model_dir = kDefaultModel;
     options.port = 0;
     options.log_requests = false;
     if (options.draft == 0) options.draft = 1;  // MTP on with K=1, whatever a `mtpx tune` profile says
@@ -78,8 +79,8 @@ TEST(HttpServer, HealthModelsAndPage) {
 }
 
 TEST(HttpServer, GreedyCompletionEqualsGenerate) {
-  auto model = Model::load(kModel);
-  auto tokenizer = Tokenizer::from_file(kModel / "tokenizer.json");
+  auto model = Model::load(kDefaultModel);
+  auto tokenizer = Tokenizer::from_file(kDefaultModel / "tokenizer.json");
   GenerateOptions o;
   o.max_tokens = 24;
   o.sampler.temperature = 0.0;

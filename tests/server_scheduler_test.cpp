@@ -11,6 +11,7 @@
 #include "model/qwen35.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
+#include "test_paths.h"
 #include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -18,11 +19,11 @@ namespace fs = std::filesystem;
 namespace mtpx::server {
 namespace {
 
-const fs::path kModel = fs::path(MTPX_SOURCE_DIR) / "models" / "default";
+using test_paths::kDefaultModel;
 
 struct Shipped {
-  std::unique_ptr<Model> model = Model::load(kModel);
-  Tokenizer tokenizer = Tokenizer::from_file(kModel / "tokenizer.json");
+  std::unique_ptr<Model> model = Model::load(kDefaultModel);
+  Tokenizer tokenizer = Tokenizer::from_file(kDefaultModel / "tokenizer.json");
 };
 
 Shipped& shipped() {

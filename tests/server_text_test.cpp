@@ -13,6 +13,7 @@
 #include "server/openai_api.h"
 #include "server/text_stream.h"
 #include "server/tool_calls.h"
+#include "test_paths.h"
 #include "tokenizer/tokenizer.h"
 #include "util/error.h"
 
@@ -21,10 +22,10 @@ namespace fs = std::filesystem;
 namespace mtpx::server {
 namespace {
 
-const fs::path kModel = fs::path(MTPX_SOURCE_DIR) / "models" / "default";
+using test_paths::kDefaultModel;
 
 const Tokenizer& tokenizer() {
-  static const Tokenizer t = Tokenizer::from_file(kModel / "tokenizer.json");
+  static const Tokenizer t = Tokenizer::from_file(kDefaultModel / "tokenizer.json");
   return t;
 }
 

@@ -12,13 +12,14 @@
 
 #include "decode/generate.h"
 #include "model/qwen35.h"
+#include "test_paths.h"
 #include "util/error.h"
 
 namespace mtpx {
 namespace {
 
-const std::filesystem::path kFixtures = std::filesystem::path(MTPX_SOURCE_DIR) / "tests" / "fixtures";
-const std::filesystem::path kDefaultModel = std::filesystem::path(MTPX_SOURCE_DIR) / "models" / "default";
+using test_paths::kDefaultModel;
+using test_paths::kFixtures;
 
 TokenDistribution dist(std::vector<int32_t> ids, std::vector<float> probs) {
   return {std::move(ids), std::move(probs)};
@@ -191,7 +192,7 @@ TEST(SpeculativeGreedy, IdenticalToPlainDecodingForAllDraftDepths) {
 
 // The joint distribution of the first two generated tokens, and the distribution of the fourth (which
 // depends on rollback after rejections), under MTP equal plain sampling, for several sampler settings,
-// with the head's own drafts and with oracle drafts (accept paths).
+// with the head's own drafts, with oracle drafts (accept paths) and with drafts from a draft vocabulary.
 TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
   auto model = Model::load(kFixtures / "wrapper_sharded_tied_bf16");
   const std::vector<int32_t> prompt = {11, 22, 33};
@@ -207,18 +208,28 @@ TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
   const int runs = 2500;
 #endif
   for (const SamplerParams& sampler : settings) {
-    for (int variant = 0; variant < 2; ++variant) {
-      std::map<std::string, int> plain_counts, spec_counts, plain_fourth, spec_fourth;
+    // The plain sample (seeds 0..runs-1), compared with each variant's MTP sample.
+    std::map<std::string, int> plain_counts, plain_fourth;
+    for (int i = 0; i < runs; ++i) {
+      GenerateOptions o;
+      o.max_tokens = 4;
+      o.sampler = sampler;
+      o.seed = static_cast<uint64_t>(i);
+      auto a = generate(*model, prompt, o);
+      plain_counts[std::to_string(a.tokens[0]) + "," + std::to_string(a.tokens[1])]++;
+      plain_fourth[std::to_string(a.tokens[3])]++;
+    }
+    // Variants: the head's drafts; oracle drafts; the head's drafts from a draft vocabulary of the first
+    // 64 of 512 ids (tokens it cannot propose come through the residual).
+    for (int variant = 0; variant < 3; ++variant) {
+      std::map<std::string, int> spec_counts, spec_fourth;
       for (int i = 0; i < runs; ++i) {
         GenerateOptions o;
         o.max_tokens = 4;
         o.sampler = sampler;
-        o.seed = static_cast<uint64_t>(i);
-        auto a = generate(*model, prompt, o);
-        plain_counts[std::to_string(a.tokens[0]) + "," + std::to_string(a.tokens[1])]++;
-        plain_fourth[std::to_string(a.tokens[3])]++;
         o.seed = static_cast<uint64_t>(i) + 1000000;  // independent of the plain sample
         o.draft = 2;
+        if (variant == 2) o.draft_vocab = 64;
         if (variant == 1) {
           // Propose the plain run's continuation of another seed: often right, sometimes wrong.
           GenerateOptions other = o;
@@ -237,6 +248,40 @@ TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
       auto [chi2_fourth, critical_fourth] = chi_square_two_sample(plain_fourth, spec_fourth);
       EXPECT_LT(chi2_fourth, critical_fourth)
           << "token 4, temperature " << sampler.temperature << " variant " << variant;
+    }
+  }
+}
+
+// A draft vocabulary (drafts only from ids below N) changes which tokens are proposed, never the output:
+// greedy MTP equals plain decoding at any N, and no draft is an id >= N.
+TEST(SpeculativeGreedy, DraftVocabularyKeepsTheOutputAndBoundsTheDrafts) {
+  for (const auto& path : {kFixtures / "wrapper_sharded_tied_bf16", kDefaultModel}) {
+    auto model = Model::load(path);
+    const int64_t V = model->config().vocab_size;
+    std::mt19937 rng(3);
+    for (int64_t prompt_len : {5, 40}) {
+      std::vector<int32_t> prompt;
+      for (int64_t i = 0; i < prompt_len; ++i)
+        prompt.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(std::min<int64_t>(200, V - 3))));
+      GenerateOptions plain;
+      plain.max_tokens = 24;
+      plain.sampler.temperature = 0.0;
+      const GenerateResult want = generate(*model, prompt, plain);
+      for (int64_t draft_vocab : {int64_t{1}, V / 8, V / 2, V}) {
+        for (int64_t k = 1; k <= 3; ++k) {
+          GenerateOptions spec = plain;
+          spec.draft = k;
+          spec.draft_vocab = draft_vocab;
+          int32_t largest_draft = -1;
+          spec.draft_hook = [&](std::span<const int32_t>, std::vector<int32_t>& drafts) {
+            for (int32_t d : drafts) largest_draft = std::max(largest_draft, d);
+          };
+          const GenerateResult got = generate(*model, prompt, spec);
+          ASSERT_EQ(got.tokens, want.tokens) << path << " draft vocab " << draft_vocab << " K=" << k;
+          EXPECT_LT(largest_draft, draft_vocab) << path;
+          EXPECT_GE(largest_draft, 0) << path;
+        }
+      }
     }
   }
 }

@@ -12,13 +12,14 @@
 #include "io/safetensors.h"
 #include "model/mtp_head.h"
 #include "model/qwen35.h"
+#include "test_paths.h"
 #include "test_util.h"
 
 namespace mtpx {
 namespace {
 
-const std::filesystem::path kSource = MTPX_SOURCE_DIR;
-const std::filesystem::path kModel = kSource / "models" / "default";
+using test_paths::kDefaultModel;
+using test_paths::kSource;
 const std::filesystem::path kData = kSource / "tests" / "fixtures" / "trained_default";
 
 std::vector<float> floats(const SafetensorsFile& f, const std::string& name) {
@@ -34,7 +35,7 @@ nlohmann::json samples() {
 }
 
 TEST(TrainedModel, LogitsHiddenAndMtpLogitsMatchTransformersOnHeldOutCode) {
-  auto model = Model::load(kModel);
+  auto model = Model::load(kDefaultModel);
   ASSERT_NE(model->mtp(), nullptr);
   SafetensorsFile ref(kData / "reference.safetensors");
   const int64_t V = model->config().vocab_size, H = model->config().hidden_size;
@@ -59,7 +60,7 @@ TEST(TrainedModel, LogitsHiddenAndMtpLogitsMatchTransformersOnHeldOutCode) {
 }
 
 TEST(TrainedModel, GreedyContinuationsMatchTransformers) {
-  auto model = Model::load(kModel);
+  auto model = Model::load(kDefaultModel);
   for (const auto& sample : samples()) {
     auto prompt = sample["prompt_ids"].get<std::vector<int32_t>>();
     auto want = sample["greedy_ids"].get<std::vector<int32_t>>();
@@ -78,7 +79,7 @@ TEST(TrainedModel, GreedyContinuationsMatchTransformers) {
 // identically truncated p and q accepts with probability sum_x min(p(x), q(x)), where comparing two
 // independent samples would accept with sum_x p(x) q(x). Measured: greedy 0.915, sampled 0.809.
 TEST(TrainedModel, MtpAcceptanceIsHighAndSamplingDoesNotCollapseIt) {
-  auto model = Model::load(kModel);
+  auto model = Model::load(kDefaultModel);
   int64_t drafted[2] = {0, 0}, accepted[2] = {0, 0};
   for (const auto& sample : samples()) {
     auto prompt = sample["prompt_ids"].get<std::vector<int32_t>>();

@@ -28,6 +28,7 @@ struct BenchFlags {
   int64_t max_tokens = 400;
   int runs = 3;
   std::optional<int64_t> draft;
+  int64_t draft_vocab = 0;
   double synthetic_acceptance = -1.0;
   bool json = false;
   int threads = 0;
@@ -66,6 +67,7 @@ int run_bench_command(const BenchFlags& f) {
   protocol.runs = f.runs;
   protocol.seed = f.seed;
   protocol.synthetic_acceptance = f.synthetic_acceptance;
+  protocol.draft_vocab = f.draft_vocab;
   if (f.synthetic_acceptance >= 0 && !mtp)
     invalid_input("--synthetic-acceptance: '{}' has no MTP head to draft with", dir.string());
 
@@ -148,6 +150,10 @@ std::function<int()> add_bench_command(CLI::App& app) {
   app.add_option("--runs", f->runs, "measured runs (after one warm-up)")->check(CLI::Range(1, 1000));
   app.add_option("--draft", f->draft, "MTP draft depth K (default: the tuned profile's, else 2)")
       ->check(CLI::Range(int64_t{1}, int64_t{8}));
+  app.add_option("--draft-vocab", f->draft_vocab,
+                 "MTP drafts only from the first N token ids (the head's lm_head pass reads N rows; exact at "
+                 "any N)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   app.add_option("--synthetic-acceptance", f->synthetic_acceptance,
                  "replace the head's drafts by the right token with this probability (greedy only)")
       ->check(CLI::Range(0.0, 1.0));

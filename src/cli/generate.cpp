@@ -33,6 +33,7 @@ struct GenerateFlags {
   bool json = false;
   bool mtp = false;
   std::optional<int64_t> draft;
+  int64_t draft_vocab = 0;
 };
 
 nlohmann::json mtp_json(const MtpStats& m) {
@@ -80,6 +81,7 @@ int run_generate(const GenerateFlags& f) {
     // K: the flag; else the tuned runtime profile of this model and machine (mtpx tune); else 1.
     const std::optional<int64_t> tuned = tools::tuned_draft(dir, tools::profile_device(*model));
     options.draft = f.draft.value_or(tuned && *tuned > 0 ? *tuned : 1);
+    options.draft_vocab = f.draft_vocab;
   }
   options.stop_ids = gen.eos_token_ids;
   for (int32_t id : model->config().eos_token_ids) options.stop_ids.push_back(id);
@@ -165,6 +167,10 @@ std::function<int()> add_generate_command(CLI::App& app) {
   app.add_flag("--mtp,!--no-mtp", f->mtp, "speculative decoding with the model's MTP head (default: off)");
   app.add_option("--draft", f->draft, "MTP draft depth K (default: the tuned profile's, else 1)")
       ->check(CLI::Range(int64_t{1}, kMaxDraft));
+  app.add_option("--draft-vocab", f->draft_vocab,
+                 "MTP drafts only from the first N token ids (the head's lm_head pass reads N rows; exact at "
+                 "any N)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   return [f] { return run_generate(*f); };
 }
 

@@ -19,6 +19,10 @@ struct GenerateOptions {
   std::vector<int32_t> stop_ids;  // generation ends after emitting one of these
   int64_t vocab_limit = 0;        // 0: the model's vocabulary; else only ids below it are sampled
   int64_t draft = 0;              // MTP draft depth K (1..8); 0: plain autoregressive decoding
+  // MTP drafts only from ids below this (0: the whole vocabulary). The head's lm_head pass then reads
+  // only those rows (BPE ids come in merge order, so low ids are the frequent tokens). Lossless at any
+  // value: the draft distribution is exactly what the drafts are sampled from (see speculative.cpp).
+  int64_t draft_vocab = 0;
   // Test and benchmark hook: may replace the head's drafts (given the committed context). A replaced
   // draft is proposed with a one-hot draft distribution, which keeps the output exact.
   std::function<void(std::span<const int32_t> context, std::vector<int32_t>& drafts)> draft_hook;

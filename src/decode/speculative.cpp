@@ -80,6 +80,17 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   auto distribution = [&](const float* logits) {
     return truncate(std::span<const float>(logits, static_cast<size_t>(V)), options.sampler, vocab_limit);
   };
+  // Drafts come from the head's logits over the draft vocabulary (ids < draft_ids) through the same
+  // truncation. That q is exactly the distribution each draft is sampled from, and accept_drafts needs
+  // nothing more of q for the output to follow the target p exactly (a token q cannot propose is reached
+  // through the residual); a smaller draft vocabulary changes only how often drafts are accepted.
+  if (options.draft_vocab < 0) invalid_input("--draft-vocab must be positive, got {}", options.draft_vocab);
+  const int64_t draft_ids = options.draft_vocab > 0 ? std::min(options.draft_vocab, vocab_limit) : V;
+  const int64_t head_logit_ids = draft_ids < V ? draft_ids : 0;  // 0: the head computes all V logits
+  auto draft_distribution = [&](const float* logits) {
+    return truncate(std::span<const float>(logits, static_cast<size_t>(draft_ids)), options.sampler,
+                    std::min(draft_ids, vocab_limit));
+  };
   // Emits one token; false once generation is over (stop token or max_tokens).
   auto emit = [&](int32_t token) {
     result.tokens.push_back(token);
@@ -101,7 +112,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   {
     std::vector<int32_t> shifted(prompt.begin() + 1, prompt.end());
     shifted.push_back(last);
-    mtp_forward(model, head_state, trunk.hidden, shifted, 0, LogitRows::kLast, head);
+    mtp_forward(model, head_state, trunk.hidden, shifted, 0, LogitRows::kLast, head, head_logit_ids);
   }
   result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
 
@@ -124,10 +135,10 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     for (int64_t i = 0; i < k; ++i) {
       if (i > 0) {
         mtp_forward(model, head_state, head_hidden, std::span<const int32_t>(&drafts.back(), 1), P + i - 1,
-                    LogitRows::kLast, head);
+                    LogitRows::kLast, head, head_logit_ids);
         head_hidden.assign(head.hidden.begin(), head.hidden.end());
       }
-      draft_dists.push_back(distribution(head.logits.data()));
+      draft_dists.push_back(draft_distribution(head.logits.data()));
       drafts.push_back(sample(draft_dists.back(), rng));
     }
 
@@ -167,7 +178,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     // drafts the next d_1.
     mtp_forward(model, head_state,
                 std::span<const float>(trunk.hidden.data(), static_cast<size_t>((accepted + 1) * H)), emitted,
-                P, LogitRows::kLast, head);
+                P, LogitRows::kLast, head, head_logit_ids);
   }
   result.stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   result.stats.decode_steps = result.stats.mtp.steps;

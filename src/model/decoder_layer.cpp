@@ -31,7 +31,7 @@ void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCa
 void norm_and_logits(const ModelConfig& c, const cpu::WeightMatrix& lm_head, const std::vector<float>& norm,
                      const float* x, int64_t T, LogitRows rows, std::vector<float>& hidden,
                      std::vector<float>& logits) {
-  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const int64_t H = c.hidden_size, V = lm_head.rows;  // the vocabulary, or a draft vocabulary's prefix
   const float eps = static_cast<float>(c.rms_norm_eps);
   hidden.resize(static_cast<size_t>(T * H));
   for (int64_t t = 0; t < T; ++t)

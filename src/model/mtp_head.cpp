@@ -1,5 +1,6 @@
 #include "model/mtp_head.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "backend/cpu/matmul.h"
@@ -20,7 +21,8 @@ MtpState new_mtp_state(const Model& model, int64_t capacity) {
 }
 
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
-                 std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result) {
+                 std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
+                 int64_t logit_ids) {
   const MtpWeights* head = model.mtp();
   if (head == nullptr) invalid_input("the model has no MTP head: {}", model.mtp_status().detail);
   const ModelConfig& c = model.config();
@@ -33,6 +35,13 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   if (const DeviceExecutor* e = model.executor()) {
     if (state.device() == nullptr) invalid_input("mtp_forward: a host MTP state with a device model");
     e->mtp_forward(*state.device(), hidden, tokens, p0, rows, result.hidden, result.logits);
+    if (logit_ids > 0 && logit_ids < c.vocab_size && !result.logits.empty()) {
+      const int64_t n_rows = static_cast<int64_t>(result.logits.size()) / c.vocab_size;
+      for (int64_t r = 0; r < n_rows; ++r)
+        std::copy_n(&result.logits[static_cast<size_t>(r * c.vocab_size)], logit_ids,
+                    &result.logits[static_cast<size_t>(r * logit_ids)]);
+      result.logits.resize(static_cast<size_t>(n_rows * logit_ids));
+    }
     return;
   }
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -50,7 +59,11 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   // One full-attention decoder layer (the trunk's code) with the head's own KV cache, then mtp.norm and
   // the shared lm_head.
   decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T);
-  norm_and_logits(c, w.lm_head, head->norm, x.data(), T, rows, result.hidden, result.logits);
+  // A draft vocabulary reads the first logit_ids rows of the lm_head (a view: rows are contiguous in
+  // every weight layout, codes and scales alike).
+  cpu::WeightMatrix lm_head = w.lm_head;
+  if (logit_ids > 0) lm_head.rows = std::min(logit_ids, lm_head.rows);
+  norm_and_logits(c, lm_head, head->norm, x.data(), T, rows, result.hidden, result.logits);
   const std::vector<float>& out = rows == LogitRows::kNone ? result.hidden : result.logits;
   if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
     model.fail_non_finite(fmt::format("in the MTP head's {} at positions {}..{}",

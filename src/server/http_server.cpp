@@ -383,6 +383,7 @@ Server::Server(ServerOptions options) : state_(std::make_unique<State>()) {
     invalid_input("--ctx-size {} is beyond the model's {} positions", d.context, model_max);
   d.mtp_available = s.model->mtp() != nullptr;
   d.draft = o.draft;
+  d.draft_vocab = o.draft_vocab;
   bool mtp = o.mtp;
   s.draft_source = "--draft";
   if (d.draft == 0) {

@@ -20,6 +20,7 @@ struct ServerOptions {
   int threads = 0;             // worker threads of the forward passes (0: all cores)
   std::string device = "cpu";  // where the forward passes run: cpu or cuda
   int64_t draft = 0;           // MTP draft depth K; 0: the tuned profile's, else generate's default (1)
+  int64_t draft_vocab = 0;     // GenerateOptions::draft_vocab for every MTP request (0: whole vocabulary)
   bool mtp = true;             // MTP on by default (when the model has a head)
   int64_t context = 0;         // positions per request; 0: min(model's maximum, 8192)
   size_t max_body_bytes = size_t{8} << 20;

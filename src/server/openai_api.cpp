@@ -318,6 +318,7 @@ GenerationRequest make_generation_request(std::vector<int32_t> prompt, const Sam
   o.stop_ids = defaults.stop_ids;
   o.vocab_limit = defaults.vocab_limit;
   o.draft = s.mtp.value_or(defaults.mtp) ? s.draft.value_or(defaults.draft) : 0;
+  o.draft_vocab = defaults.draft_vocab;
   r.stop_strings = s.stop;
   return r;
 }

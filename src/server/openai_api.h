@@ -25,6 +25,7 @@ struct ServingDefaults {
   bool mtp_available = false;   // the model has a usable MTP head
   bool mtp = false;             // MTP on unless the request says otherwise
   int64_t draft = 1;            // K unless the request says otherwise
+  int64_t draft_vocab = 0;      // GenerateOptions::draft_vocab (serve --draft-vocab)
   int64_t context = 0;          // most positions per request: prompt + completion
   std::vector<int32_t> stop_ids;
   int64_t vocab_limit = 0;

@@ -79,6 +79,10 @@ std::function<int()> add_serve_command(CLI::App& app) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--draft", o.draft, "MTP draft depth K (default: the tuned runtime profile's, else 1)")
       ->check(CLI::Range(int64_t{1}, int64_t{8}));
+  app.add_option("--draft-vocab", o.draft_vocab,
+                 "MTP drafts only from the first N token ids (the head's lm_head pass reads N rows; exact at "
+                 "any N)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   app.add_flag("--mtp,!--no-mtp", o.mtp, "MTP speculative decoding by default (on; requests may override)");
   app.add_option("--ctx-size", o.context,
                  "most tokens per request, prompt + completion (default: min(model, 8192))")

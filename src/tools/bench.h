@@ -30,6 +30,7 @@ struct BenchProtocol {
   // position (else by a wrong token), to measure speculative speed at a chosen acceptance on models
   // whose head is random (as vLLM's synthetic mode). Greedy cases only.
   double synthetic_acceptance = -1.0;
+  int64_t draft_vocab = 0;  // GenerateOptions::draft_vocab of the MTP cases
   std::vector<int32_t> stop_ids;
 };
 

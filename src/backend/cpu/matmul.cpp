@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cpu/quant_matmul.h"
+#include "backend/cpu/simd.h"
 #include "util/bf16.h"
 #include "util/error.h"
 
@@ -135,17 +136,6 @@ __attribute__((target("avx2,fma,f16c"))) inline void load16_pair(const void* bas
     lo = load8<T>(base, index);
     hi = load8<T>(base, index + 8);
   }
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 shuf = _mm_movehdup_ps(lo);
-  __m128 sums = _mm_add_ps(lo, shuf);
-  shuf = _mm_movehl_ps(shuf, sums);
-  sums = _mm_add_ss(sums, shuf);
-  return _mm_cvtss_f32(sums);
 }
 
 // xs: the prepared activations, permuted for bf16 (prepare_activations).

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "backend/cpu/simd.h"
+
 namespace mtpx::cpu {
 
 // The hot inner loops of attention and the delta rule: compiled for AVX2+FMA and for baseline x86-64,
@@ -50,13 +52,6 @@ namespace {
 bool have_avx2_fma() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
 }
 
 // One key: an 8-lane FMA chain over the whole vectors, the horizontal sum, the scalar tail in order.

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend/cpu/simd.h"
 #include "util/bf16.h"
 #include "util/error.h"
 
@@ -38,7 +39,7 @@ constexpr int64_t kMaxGroupBytes = 128;  // 128 codes of 8 bits
 // 2: 45.9, 4: 44.5-45.2, 8: 48.3 (within this shared machine's noise, but never worse).
 constexpr int64_t kPrefetchTiles = 4;
 // Rows of the weight dequantized to float32 at a time for the sgemm path (as matmul_gemm).
-constexpr int64_t kGemmBlockRows = 512;
+constexpr int64_t kDequantBlockRows = 512;
 
 float param_at(const void* data, WeightType type, int64_t index) {
   switch (type) {
@@ -298,17 +299,6 @@ void arrange_x_for(const float* x, int64_t m, int64_t cols, int64_t /*group_size
   const int64_t main_end = kPaired ? cols / D::kCodes * D::kCodes : cols;
   arrange_x<D>(x, m, cols, 0, main_end, out);
   if constexpr (kPaired) arrange_x<Lanes32<D::kBits>>(x, m, cols, main_end, cols, out);
-}
-
-MTPX_AVX2 inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 shuf = _mm_movehdup_ps(lo);
-  __m128 sums = _mm_add_ps(lo, shuf);
-  shuf = _mm_movehl_ps(shuf, sums);
-  sums = _mm_add_ss(sums, shuf);
-  return _mm_cvtss_f32(sums);
 }
 
 // group_acc[r][o] += x'[r] * q'[o] over `codes` codes from src[o] (packed codes) and xg (activations, row r
@@ -808,9 +798,9 @@ void affine_matmul_gemm(const WeightMatrix& w, const float* x, int64_t m, float*
   const int64_t k = w.cols;
   const AffineCall c = make_call(w, nullptr, nullptr, 0);
   const DequantizeRowFn dequantize_row = dequantize_row_fn(w.bits);
-  std::vector<float> block(static_cast<size_t>(std::min(kGemmBlockRows, w.rows) * k));
-  for (int64_t o0 = 0; o0 < w.rows; o0 += kGemmBlockRows) {
-    const int64_t nb = std::min(kGemmBlockRows, w.rows - o0);
+  std::vector<float> block(static_cast<size_t>(std::min(kDequantBlockRows, w.rows) * k));
+  for (int64_t o0 = 0; o0 < w.rows; o0 += kDequantBlockRows) {
+    const int64_t nb = std::min(kDequantBlockRows, w.rows - o0);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < nb; ++i) dequantize_row(c, o0 + i, block.data() + i * k);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(nb),
