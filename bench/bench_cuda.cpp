@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
   int64_t decode_tokens = 128, prefill_tokens = 2048, mtp_tokens = 256;
   double acceptance = 0.8;
   bool json = false;
-  int64_t profile_steps = 0;
+  int64_t profile_steps = 0, draft_vocab = 32768;
   app.add_option("--shape", shape, "model shape (spec §9)");
   std::string model_dir;
   app.add_option("--model", model_dir,
@@ -64,6 +64,8 @@ int main(int argc, char** argv) {
   app.add_option("--prefill-tokens", prefill_tokens);
   app.add_option("--mtp-tokens", mtp_tokens, "tokens per MTP run (0: skip)");
   app.add_option("--acceptance", acceptance, "synthetic acceptance of the MTP runs");
+  app.add_option("--draft-vocab", draft_vocab,
+                 "the MTP runs also with a draft vocabulary of the first N ids (0 or >= vocab: not)");
   app.add_flag("--json", json);
   CLI11_PARSE(app, argc, argv);
 #ifndef MTPX_HAVE_CUDA
@@ -169,17 +171,26 @@ int main(int argc, char** argv) {
       p.max_tokens = mtp_tokens;
       p.runs = 3;
       p.synthetic_acceptance = acceptance;
+      // Each K with the whole vocabulary and (interleaved in the same runs) with the draft vocabulary.
+      const bool with_vocab = draft_vocab > 0 && draft_vocab < model->config().vocab_size;
       std::vector<tools::BenchCase> cases = {{"greedy", SamplerParams{.temperature = 0.0}, 0}};
-      for (int64_t k = 1; k <= 6; ++k) cases.push_back({"greedy", SamplerParams{.temperature = 0.0}, k});
+      for (int64_t k = 1; k <= 6; ++k) {
+        cases.push_back({"greedy", SamplerParams{.temperature = 0.0}, k});
+        if (with_vocab) cases.push_back({"greedy", SamplerParams{.temperature = 0.0}, k, draft_vocab});
+      }
       const auto results = tools::run_bench(*model, p, cases);
-      nlohmann::json rows = nlohmann::json::array();
+      nlohmann::json rows = nlohmann::json::array(), vocab_rows = nlohmann::json::array();
       for (const auto& res : results)
-        rows.push_back({{"draft", res.spec.draft},
+        (res.spec.draft_vocab > 0 ? vocab_rows : rows)
+            .push_back({{"draft", res.spec.draft},
                         {"tok_s", res.median_tok_s},
                         {"speedup", res.median_tok_s / results[0].median_tok_s},
                         {"acceptance", res.mtp.acceptance()},
                         {"tokens_per_step", res.tokens_per_step}});
       report["mtp_synthetic"] = {{"acceptance", acceptance}, {"rows", rows}};
+      if (with_vocab)
+        report["mtp_synthetic_draft_vocab"] = {
+            {"acceptance", acceptance}, {"draft_vocab", draft_vocab}, {"rows", vocab_rows}};
     }
 
     if (json) {

@@ -41,17 +41,17 @@ int main(int argc, char** argv) {
 
   mtpx::tools::BenchProtocol protocol;
   std::ifstream in(samples_file);
-  for (const auto& s : nlohmann::json::parse(in)["samples"])
+  const nlohmann::json samples = nlohmann::json::parse(in);
+  for (const auto& s : samples["samples"])
     if (static_cast<int64_t>(protocol.prompts.size()) < prompts)
       protocol.prompts.push_back(s["prompt_ids"].get<std::vector<int32_t>>());
   protocol.max_tokens = tokens;
   protocol.runs = repeats;
-  protocol.draft_vocab = draft_vocab;
   std::vector<mtpx::tools::BenchCase> cases;
   for (const auto& [name, sampler] :
        {std::pair{"greedy", mtpx::SamplerParams{.temperature = 0.0}},
         std::pair{"T0.7/p0.95/k20", mtpx::SamplerParams{.temperature = 0.7, .top_k = 20, .top_p = 0.95}}})
-    for (int64_t k = 0; k <= max_draft; ++k) cases.push_back({name, sampler, k});
+    for (int64_t k = 0; k <= max_draft; ++k) cases.push_back({name, sampler, k, k > 0 ? draft_vocab : 0});
   const auto results = mtpx::tools::run_bench(*model, protocol, cases);
 
   fmt::print("model {} | threads {} | {} prompts x {} tokens, median of {} repeats | draft vocabulary {}\n",

@@ -37,8 +37,8 @@ python3 - "$out" "$passed" "$failed" $shapes <<'PY'
 import json, sys, os
 out, passed, failed, shapes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 print(f"\nGPU tests: {passed} passed, {failed} failed")
-print("| shape | copy GB/s | decode tok/s | roofline tok/s | fraction | c(1) | c(3) | c(7) | prefill tok/s | prefill / GEMM | MTP best (K) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| shape | copy GB/s | decode tok/s | roofline tok/s | fraction | c(1) | c(3) | c(7) | prefill tok/s | prefill / GEMM | MTP best (K) | MTP best, draft vocab (K) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for s in shapes:
     p = os.path.join(out, f"bench_{s}.json")
     try:
@@ -47,9 +47,12 @@ for s in shapes:
         print(f"| {s} | failed: {e} |"); continue
     c = r["verify_cost_c"]
     best = max(r.get("mtp_synthetic", {}).get("rows", [{"speedup": 0, "draft": 0}]), key=lambda x: x["speedup"])
+    vocab = r.get("mtp_synthetic_draft_vocab", {})
+    best_vocab = max(vocab.get("rows", [{"speedup": 0, "draft": 0}]), key=lambda x: x["speedup"])
     print(f"| {s} | {r['copy_bandwidth_GBs']:.0f} | {r['decode_tok_s']:.1f} | {r['roofline_tok_s']:.1f} | "
           f"{r['decode_fraction_of_roofline']:.2f} | {c['1']:.3f} | {c['3']:.3f} | {c['7']:.3f} | "
           f"{r.get('prefill_tok_s', 0):.0f} | {r.get('prefill_fraction_of_gemm', 0):.2f} | "
-          f"{best['speedup']:.2f}x (K={best['draft']}) |")
+          f"{best['speedup']:.2f}x (K={best['draft']}) | "
+          f"{best_vocab['speedup']:.2f}x (K={best_vocab['draft']}, {vocab.get('draft_vocab', '-')}) |")
 PY
 exit $status

@@ -161,6 +161,38 @@ TEST(Cuda, TrainedHeadAcceptanceMatchesTheCpu) {
   EXPECT_NEAR(a.stats.mtp.acceptance(), b.stats.mtp.acceptance(), 0.1);
 }
 
+// A draft vocabulary on the GPU: the head's lm_head pass over the first N rows only. Greedy output stays
+// the plain output, every draft is below N, and the head drafts as well as the CPU's from the same draft
+// vocabulary (acceptance within 0.1), so the shortened pass computes the right logits.
+TEST(Cuda, DraftVocabularyKeepsGreedyOutputAndDraftsBelowIt) {
+  MTPX_GPU_MODEL(gpu, kDefaultModel);
+  const auto cpu = Model::load(kDefaultModel);
+  const int64_t V = cpu->config().vocab_size;
+  const auto prompt = prompt_for(*cpu, 16);
+  GenerateOptions plain;
+  plain.max_tokens = 80;
+  plain.sampler.temperature = 0.0;
+  const GenerateResult ar = generate(*gpu, prompt, plain);
+  for (int64_t draft_vocab : {int64_t{64}, V / 2}) {
+    for (int64_t k : {1, 3}) {
+      GenerateOptions spec = plain;
+      spec.draft = k;
+      spec.draft_vocab = draft_vocab;
+      int32_t largest = -1;
+      spec.draft_hook = [&](std::span<const int32_t>, std::vector<int32_t>& drafts) {
+        for (int32_t d : drafts) largest = std::max(largest, d);
+      };
+      const GenerateResult r = generate(*gpu, prompt, spec);
+      EXPECT_EQ(r.tokens, ar.tokens) << "draft vocabulary " << draft_vocab << " K=" << k;
+      EXPECT_LT(largest, draft_vocab);
+      EXPECT_GE(largest, 0);
+      const GenerateResult c = generate(*cpu, prompt, spec);
+      EXPECT_NEAR(r.stats.mtp.acceptance(), c.stats.mtp.acceptance(), 0.1)
+          << "draft vocabulary " << draft_vocab;
+    }
+  }
+}
+
 // Affine-quantized checkpoints (mtpx quantize of the shipped model, head included) on the GPU: the fast
 // row kernels (4, 6, 8 bits), the generic one (3 bits), group sizes 32/64/128, the prompt path
 // (dequantized blocks through cuBLAS) and the quantized embedding. Logits within the bf16 tolerance of the

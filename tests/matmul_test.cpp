@@ -49,18 +49,28 @@ class MatmulTest : public ::testing::TestWithParam<WeightType> {};
 // Every kernel family this CPU runs (an AVX-512 machine also tests the AVX2 and scalar kernels).
 std::vector<MatmulKernel> supported_kernels() {
   std::vector<MatmulKernel> kernels;
-  for (MatmulKernel k : {MatmulKernel::kScalar, MatmulKernel::kAvx2, MatmulKernel::kAvx512})
+  for (MatmulKernel k :
+       {MatmulKernel::kScalar, MatmulKernel::kAvx2, MatmulKernel::kAvx512, MatmulKernel::kAmx})
     if (matmul_kernel_supported(k)) kernels.push_back(k);
   return kernels;
 }
 
 const char* kernel_name(MatmulKernel k) {
-  return k == MatmulKernel::kAvx512 ? "avx512" : k == MatmulKernel::kAvx2 ? "avx2" : "scalar";
+  return k == MatmulKernel::kAmx      ? "amx"
+         : k == MatmulKernel::kAvx512 ? "avx512"
+         : k == MatmulKernel::kAvx2   ? "avx2"
+                                      : "scalar";
 }
 
 TEST_P(MatmulTest, MatchesDoubleReference) {
-  for (auto [rows, cols] :
-       {std::pair<int64_t, int64_t>{1, 1}, {5, 7}, {13, 16}, {33, 100}, {64, 257}, {17, 1024}, {9, 1072}}) {
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1},
+                            {5, 7},
+                            {13, 16},
+                            {33, 100},
+                            {64, 257},
+                            {17, 1024},
+                            {9, 1072},
+                            {40, 320}}) {
     Matrix w = make_matrix(GetParam(), rows, cols, 1);
     for (int64_t m : {1, 3, 4, 5, 37}) {
       auto x = random_vector(static_cast<size_t>(m * cols), 2);
@@ -105,9 +115,10 @@ void check_batch_invariance(WeightType type, MatmulKernel kernel, int64_t rows, 
 TEST_P(MatmulTest, BatchInvariantBitwise) {
   // 300: whole blocks then a scalar tail; 304 = 9 x 32 + 16 = 4 x 64 + 48 and 1072 = 33 x 32 + 16 =
   // 16 x 64 + 48: a partial block of whole vectors on AVX2 and on AVX-512, in short rows (kernels of
-  // several output rows) and long ones (one output row at a time).
+  // several output rows) and long ones (one output row at a time). 320 = 10 x 32: AMX tiles (75 rows = 4
+  // blocks of 16 and a short one; up to 11 activation rows = 3 B tiles).
   for (MatmulKernel kernel : supported_kernels())
-    for (const int64_t cols : {300, 304, 1072}) check_batch_invariance(GetParam(), kernel, 75, cols);
+    for (const int64_t cols : {300, 304, 1072, 320}) check_batch_invariance(GetParam(), kernel, 75, cols);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllTypes, MatmulTest,

@@ -267,8 +267,8 @@ TEST(SpeculativeGreedy, DraftVocabularyKeepsTheOutputAndBoundsTheDrafts) {
       plain.max_tokens = 24;
       plain.sampler.temperature = 0.0;
       const GenerateResult want = generate(*model, prompt, plain);
-      for (int64_t draft_vocab : {int64_t{1}, V / 8, V / 2, V}) {
-        for (int64_t k = 1; k <= 3; ++k) {
+      for (int64_t draft_vocab : {int64_t{1}, V / 8, V}) {
+        for (int64_t k : {1, 3}) {
           GenerateOptions spec = plain;
           spec.draft = k;
           spec.draft_vocab = draft_vocab;

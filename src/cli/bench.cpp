@@ -55,11 +55,11 @@ int run_bench_command(const BenchFlags& f) {
     invalid_input("--draft: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
 
   std::vector<tools::BenchCase> cases = {{"greedy", SamplerParams{.temperature = 0.0}, 0}};
-  if (mtp) cases.push_back({"greedy", SamplerParams{.temperature = 0.0}, draft});
+  if (mtp) cases.push_back({"greedy", SamplerParams{.temperature = 0.0}, draft, f.draft_vocab});
   const SamplerParams s = sampler_defaults(gen);
   if (!s.greedy() && f.synthetic_acceptance < 0) {
     cases.push_back({"default", s, 0});
-    if (mtp) cases.push_back({"default", s, draft});
+    if (mtp) cases.push_back({"default", s, draft, f.draft_vocab});
   }
   tools::BenchProtocol protocol;
   protocol.prompts = {prompt};
@@ -67,7 +67,6 @@ int run_bench_command(const BenchFlags& f) {
   protocol.runs = f.runs;
   protocol.seed = f.seed;
   protocol.synthetic_acceptance = f.synthetic_acceptance;
-  protocol.draft_vocab = f.draft_vocab;
   if (f.synthetic_acceptance >= 0 && !mtp)
     invalid_input("--synthetic-acceptance: '{}' has no MTP head to draft with", dir.string());
 

@@ -71,8 +71,8 @@ class CudaSequence : public DeviceSequence {
   Buffer pos{sizeof(int32_t)};
   std::vector<DeviceKv> kv;        // per layer (empty buffers for DeltaNet layers)
   std::vector<DeviceDelta> delta;  // per layer (empty for attention layers)
-  // Key: rows T, logit rows, record_window. One set per sequence: the graphs hold its buffers.
-  std::map<std::tuple<int64_t, LogitRows, bool>, CapturedPass> graphs;
+  // Key: rows T, logit rows, record_window, logit ids. One set per sequence: the graphs hold its buffers.
+  std::map<std::tuple<int64_t, LogitRows, bool, int64_t>, CapturedPass> graphs;
 };
 
 class CudaExecutor final : public DeviceExecutor {
@@ -86,7 +86,7 @@ class CudaExecutor final : public DeviceExecutor {
                std::vector<float>& hidden, std::vector<float>& logits, bool record_window) const override;
   void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const override;
   void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden, std::span<const int32_t> tokens,
-                   int64_t p0, LogitRows rows, std::vector<float>& hidden_out,
+                   int64_t p0, LogitRows rows, int64_t logit_ids, std::vector<float>& hidden_out,
                    std::vector<float>& logits) const override;
 
  private:
@@ -109,13 +109,15 @@ class CudaExecutor final : public DeviceExecutor {
   void mm(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate = false) const {
     cuda::matmul(w, x, m, y, accumulate, workspace());
   }
-  void final_norm_and_logits(int64_t t_count, LogitRows rows, const float* norm) const;
-  void copy_out(int64_t t_count, LogitRows rows, std::vector<float>& hidden,
+  // `vocab`: logits of the first `vocab` ids (all of them but for an MTP draft vocabulary).
+  void final_norm_and_logits(int64_t t_count, LogitRows rows, const float* norm, int64_t vocab) const;
+  void copy_out(int64_t t_count, LogitRows rows, int64_t vocab, std::vector<float>& hidden,
                 std::vector<float>& logits) const;
   // Runs `body` (kernels only) on the stream; passes short enough for the row kernels are captured into a
   // CUDA graph the first time and replayed after (one launch instead of hundreds).
   template <typename Body>
-  void run_pass(CudaSequence& seq, int64_t t_count, LogitRows rows, bool record, Body&& body) const;
+  void run_pass(CudaSequence& seq, int64_t t_count, LogitRows rows, bool record, int64_t vocab,
+                Body&& body) const;
   void set_inputs(CudaSequence& seq, int64_t p0, std::span<const int32_t> tokens) const;
 
   ModelConfig config_;
@@ -388,9 +390,9 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
 }
 
 // hidden = final norm of x; logits for the rows asked for (kernels only: may be captured).
-void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float* norm) const {
+void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float* norm, int64_t V) const {
   const ModelConfig& c = config_;
-  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const int64_t H = c.hidden_size;
   const Scratch& s = scratch_;
   cuda::rms_norm_rows(s.x.as<float>(), H, norm, static_cast<float>(c.rms_norm_eps), T, H,
                       s.hidden.as<float>(), H, stream_.handle());
@@ -400,13 +402,15 @@ void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float*
       stream_.synchronize();
       logits_ = Buffer(static_cast<size_t>(n_rows * V) * sizeof(float));
     }
-    mm(lm_head_, s.hidden.as<float>() + (T - n_rows) * H, n_rows, logits_.as<float>());
+    cuda::Matrix lm_head = lm_head_;  // the first V rows (a draft vocabulary's prefix, or all of them)
+    lm_head.rows = V;
+    mm(lm_head, s.hidden.as<float>() + (T - n_rows) * H, n_rows, logits_.as<float>());
   }
 }
 
-void CudaExecutor::copy_out(int64_t T, LogitRows rows, std::vector<float>& hidden,
+void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, std::vector<float>& hidden,
                             std::vector<float>& logits) const {
-  const int64_t H = config_.hidden_size, V = config_.vocab_size;
+  const int64_t H = config_.hidden_size;
   const int64_t n_rows = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
   hidden.resize(static_cast<size_t>(T * H));
   logits.resize(static_cast<size_t>(n_rows * V));
@@ -423,12 +427,13 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, std::vector<float>& hidde
 }
 
 template <typename Body>
-void CudaExecutor::run_pass(CudaSequence& seq, int64_t T, LogitRows rows, bool record, Body&& body) const {
+void CudaExecutor::run_pass(CudaSequence& seq, int64_t T, LogitRows rows, bool record, int64_t vocab,
+                            Body&& body) const {
   if (!use_graphs_ || T >= cuda::kGemmMinRows) {
     body();
     return;
   }
-  CapturedPass& pass = seq.graphs[{T, rows, record}];
+  CapturedPass& pass = seq.graphs[{T, rows, record, vocab}];
   if (pass.exec == nullptr || pass.generation != scratch_generation_) {
     cuda::Stream::destroy_graph(pass.exec);
     pass.exec = nullptr;
@@ -454,14 +459,15 @@ void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const
   if (record_window && T > kMaxWindow)
     invalid_input("a recorded (rollback) window holds at most {} tokens, got {}", kMaxWindow, T);
   set_inputs(seq, p0, tokens);
-  run_pass(seq, T, rows, record_window, [&] {
+  const int64_t V = config_.vocab_size;
+  run_pass(seq, T, rows, record_window, V, [&] {
     cuda::embed_rows(embed_tokens_, scratch_.tokens.as<int32_t>(), T, scratch_.x.as<float>(),
                      stream_.handle());
     for (size_t li = 0; li < layers_.size(); ++li)
       layer_forward(layers_[li], seq, static_cast<int64_t>(li), &seq.kv[li], T, record_window);
-    final_norm_and_logits(T, rows, final_norm_);
+    final_norm_and_logits(T, rows, final_norm_, V);
   });
-  copy_out(T, rows, hidden, logits);
+  copy_out(T, rows, V, hidden, logits);
 }
 
 void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const {
@@ -486,19 +492,21 @@ void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int
 
 void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
                                std::span<const int32_t> tokens, int64_t p0, LogitRows rows,
-                               std::vector<float>& hidden_out, std::vector<float>& logits) const {
+                               int64_t logit_ids, std::vector<float>& hidden_out,
+                               std::vector<float>& logits) const {
   if (!head_) invalid_input("the model has no MTP head");
   std::lock_guard lock(mutex_);
   auto& seq = static_cast<CudaSequence&>(sequence);
   const ModelConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size()), H = c.hidden_size;
+  const int64_t V = logit_ids > 0 ? std::min(logit_ids, c.vocab_size) : c.vocab_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
   void* st = stream_.handle();
   set_inputs(seq, p0, tokens);
   const Scratch& s = scratch_;
   // u = fc([norm_e(embed(x)) ; norm_h(h)])   (embedding first, hidden second: spec §6.1)
   stream_.to_device(s.hidden.data(), hidden.data(), hidden.size_bytes());
-  run_pass(seq, T, rows, false, [&] {
+  run_pass(seq, T, rows, false, V, [&] {
     cuda::embed_rows(embed_tokens_, s.tokens.as<int32_t>(), T, s.normed.as<float>(), st);
     cuda::rms_norm_rows(s.normed.as<float>(), H, head_->pre_fc_norm_embedding, eps, T, H,
                         s.joined.as<float>(), 2 * H, st);
@@ -506,9 +514,9 @@ void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> 
                         s.joined.as<float>() + H, 2 * H, st);
     mm(head_->fc, s.joined.as<float>(), T, s.x.as<float>());
     layer_forward(head_->layer, seq, -1, &seq.kv[0], T, false);
-    final_norm_and_logits(T, rows, head_->norm);
+    final_norm_and_logits(T, rows, head_->norm, V);
   });
-  copy_out(T, rows, hidden_out, logits);
+  copy_out(T, rows, V, hidden_out, logits);
 }
 
 }  // namespace

@@ -34,9 +34,9 @@ class DeviceExecutor {
                        std::vector<float>& hidden, std::vector<float>& logits, bool record_window) const = 0;
   // Cuts the last recorded window (of window_tokens) back to its first `keep` tokens.
   virtual void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const = 0;
-  // As mtp_forward (model/mtp_head.h).
+  // As mtp_forward (model/mtp_head.h): logits of ids < logit_ids only (0: all), from that many lm_head rows.
   virtual void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
-                           std::span<const int32_t> tokens, int64_t p0, LogitRows rows,
+                           std::span<const int32_t> tokens, int64_t p0, LogitRows rows, int64_t logit_ids,
                            std::vector<float>& hidden_out, std::vector<float>& logits) const = 0;
 };
 

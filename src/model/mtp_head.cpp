@@ -34,14 +34,7 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
     invalid_input("MTP context overflow: {} positions, capacity {}", p0 + T, state.capacity());
   if (const DeviceExecutor* e = model.executor()) {
     if (state.device() == nullptr) invalid_input("mtp_forward: a host MTP state with a device model");
-    e->mtp_forward(*state.device(), hidden, tokens, p0, rows, result.hidden, result.logits);
-    if (logit_ids > 0 && logit_ids < c.vocab_size && !result.logits.empty()) {
-      const int64_t n_rows = static_cast<int64_t>(result.logits.size()) / c.vocab_size;
-      for (int64_t r = 0; r < n_rows; ++r)
-        std::copy_n(&result.logits[static_cast<size_t>(r * c.vocab_size)], logit_ids,
-                    &result.logits[static_cast<size_t>(r * logit_ids)]);
-      result.logits.resize(static_cast<size_t>(n_rows * logit_ids));
-    }
+    e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, result.hidden, result.logits);
     return;
   }
   const float eps = static_cast<float>(c.rms_norm_eps);

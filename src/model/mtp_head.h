@@ -39,7 +39,7 @@ struct MtpResult {
 // hidden: [T, H] trunk (or chained head) hiddens; tokens: [T] the tokens at positions p0+1 .. p0+T;
 // rows p0 .. p0+T-1 of the head's KV cache are (over)written. Requires model.mtp().
 // logit_ids > 0 (a draft vocabulary): the logits of ids < logit_ids only, [rows, logit_ids], from that
-// many rows of the lm_head (a device computes them all and keeps the first logit_ids per row).
+// many rows of the lm_head.
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
                  int64_t logit_ids = 0);

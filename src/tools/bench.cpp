@@ -32,7 +32,7 @@ std::vector<BenchResult> run_bench(const Model& model, const BenchProtocol& p,
     o.sampler = c.sampler;
     o.seed = p.seed + prompt;
     o.draft = c.draft;
-    o.draft_vocab = p.draft_vocab;
+    o.draft_vocab = c.draft_vocab;
     o.stop_ids = p.stop_ids;
     return o;
   };

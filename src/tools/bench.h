@@ -17,7 +17,8 @@ namespace mtpx::tools {
 struct BenchCase {
   std::string sampler_name;  // "greedy", "default", ...
   SamplerParams sampler;
-  int64_t draft = 0;  // 0: plain decoding
+  int64_t draft = 0;        // 0: plain decoding
+  int64_t draft_vocab = 0;  // GenerateOptions::draft_vocab (0: the whole vocabulary)
 };
 
 struct BenchProtocol {
@@ -30,7 +31,6 @@ struct BenchProtocol {
   // position (else by a wrong token), to measure speculative speed at a chosen acceptance on models
   // whose head is random (as vLLM's synthetic mode). Greedy cases only.
   double synthetic_acceptance = -1.0;
-  int64_t draft_vocab = 0;  // GenerateOptions::draft_vocab of the MTP cases
   std::vector<int32_t> stop_ids;
 };
 

@@ -4,12 +4,17 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <cblas.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "backend/cpu/quant_matmul.h"
@@ -205,6 +210,156 @@ Activations prepare_activations(const float* x, int64_t m, int64_t k_dim, bool p
 }
 
 // ---------------------------------------------------------------------------------------------
+// AMX (Intel AMX-BF16 tile multiplies). TDPBF16PS computes C[i, n] += sum_k A[i, k] B[k, n] for a
+// 16 x 32 bf16 block A, a 32 x 16 bf16 block B (stored in pairs: B row p holds, per column n, the
+// elements k = 2p and 2p+1) and a 16 x 16 float32 block C. Here A is 16 weight rows x 32 columns, read in
+// place (64 bytes of each row, with the matrix's row stride), and B holds the activations. A float32
+// activation x is split into three bf16 terms, hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid)
+// (both subtractions are exact), each its own column of B: a bf16 weight times a bf16 term is exact in
+// float32, so the sum (lo + mid) + hi of the three columns keeps x's 24 bits and has only the float32
+// accumulation error (a single bf16 x would lose 16 of them). Five activation rows (15 columns) per B
+// tile; more rows take several passes over each 16-row block of weights (from L1/L2).
+//
+// Why: a tile multiply takes the same time whatever number of rows it holds, so a verify window of 2-5
+// rows costs about what one decode row does (the AVX-512 kernels pay one activation load and FMA per row
+// and weight vector). One weight row block streams from memory at the rate of the AVX-512 kernel.
+//
+// Batch invariance: each C element is computed from its own A row and B column only (Intel SDM,
+// TDPBF16PS), over the k-blocks of 32 in order, then its three columns are added in a fixed order; which
+// other rows, columns or threads share the work changes nothing.
+constexpr int64_t kAmxRowsPerTile = 5;  // activation rows per B tile (3 of its 16 columns each)
+
+// The LDTILECFG operand (palette 1): rows and bytes per row of each tile register.
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The B tiles of all activation rows: [chunk of 5 rows][k-block of 32][16 pairs][16 columns][2] bf16,
+// 1 KiB per (chunk, k-block); columns past 3 x the chunk's rows are zero.
+struct AmxActivations {
+  std::vector<uint16_t> tiles;
+  int64_t chunks = 0, k_blocks = 0;
+  int64_t columns = 0;  // columns in use in the widest chunk (3 x min(m, 5))
+  const uint16_t* tile(int64_t chunk, int64_t kb) const {
+    return tiles.data() + (chunk * k_blocks + kb) * 16 * 16 * 2;
+  }
+};
+
+AmxActivations prepare_amx_activations(const float* x, int64_t m, int64_t k_dim) {
+  AmxActivations a;
+  a.k_blocks = k_dim / 32;
+  a.chunks = (m + kAmxRowsPerTile - 1) / kAmxRowsPerTile;
+  a.columns = 3 * std::min(m, kAmxRowsPerTile);
+  a.tiles.assign(static_cast<size_t>(a.chunks * a.k_blocks * 16 * 16 * 2), 0);
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t chunk = r / kAmxRowsPerTile, column = 3 * (r % kAmxRowsPerTile);
+    for (int64_t k = 0; k < k_dim; ++k) {
+      const float v = x[r * k_dim + k];
+      const uint16_t hi = f32_to_bf16(v);
+      const float rest = v - bf16_to_f32(hi);
+      const uint16_t mid = f32_to_bf16(rest);
+      const uint16_t lo = f32_to_bf16(rest - bf16_to_f32(mid));
+      uint16_t* pair_row = const_cast<uint16_t*>(a.tile(chunk, k / 32)) + (k % 32 / 2) * 32;
+      const int64_t e = k % 2;
+      pair_row[column * 2 + e] = hi;
+      pair_row[(column + 1) * 2 + e] = mid;
+      pair_row[(column + 2) * 2 + e] = lo;
+    }
+  }
+  return a;
+}
+
+// Output features [o_begin, o_end) for all m rows: blocks of 16 weight rows (o_begin a multiple of 16;
+// only the last block may be shorter, in tiles configured with fewer rows, so no byte past the matrix is
+// read). Tiles: 0 C, 1 B, 2 A; 3 and 4 the C and A of a short last block.
+__attribute__((target("amx-tile,amx-bf16"))) void rows_amx(const WeightMatrix& w, const AmxActivations& xa,
+                                                           int64_t m, int64_t o_begin, int64_t o_end,
+                                                           float* y) {
+  const int64_t k_dim = w.cols, tail = (o_end - o_begin) % 16;
+  AmxTileConfig config;
+  const auto row_bytes = static_cast<uint16_t>(xa.columns * 4);
+  config.rows[0] = config.rows[1] = config.rows[2] = 16;
+  config.colsb[0] = config.colsb[1] = row_bytes;
+  config.colsb[2] = 64;
+  if (tail > 0) {
+    config.rows[3] = config.rows[4] = static_cast<uint8_t>(tail);
+    config.colsb[3] = row_bytes;
+    config.colsb[4] = 64;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) float c[16 * 16];
+  const auto* weights = static_cast<const uint16_t*>(w.data);
+  const long stride = static_cast<long>(k_dim * 2);
+  for (int64_t o = o_begin; o < o_end; o += 16) {
+    const uint16_t* block = weights + o * k_dim;
+    const bool full = o + 16 <= o_end;
+    for (int64_t chunk = 0; chunk < xa.chunks; ++chunk) {
+      if (full) {
+        _tile_zero(0);
+        for (int64_t kb = 0; kb < xa.k_blocks; ++kb) {
+          _tile_loadd(1, xa.tile(chunk, kb), 64);
+          _tile_loadd(2, block + kb * 32, stride);
+          _tile_dpbf16ps(0, 2, 1);
+        }
+        _tile_stored(0, c, 64);
+      } else {
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < xa.k_blocks; ++kb) {
+          _tile_loadd(1, xa.tile(chunk, kb), 64);
+          _tile_loadd(4, block + kb * 32, stride);
+          _tile_dpbf16ps(3, 4, 1);
+        }
+        _tile_stored(3, c, 64);
+      }
+      const int64_t rows_here = full ? 16 : tail;
+      const int64_t r0 = chunk * kAmxRowsPerTile, r_end = std::min(m, r0 + kAmxRowsPerTile);
+      for (int64_t i = 0; i < rows_here; ++i)
+        for (int64_t r = r0; r < r_end; ++r) {
+          const float* sums = c + i * 16 + 3 * (r - r0);  // hi, mid, lo
+          y[r * w.rows + o + i] = (sums[2] + sums[1]) + sums[0];
+        }
+    }
+  }
+  _tile_release();
+}
+
+// The AMX kernels serve bf16 weights in whole 32-wide k-blocks; the family runs the AVX-512 kernels on
+// any other weight.
+bool amx_serves(const WeightMatrix& w) { return w.type == WeightType::kBF16 && w.cols % 32 == 0; }
+
+void matmul_amx(const WeightMatrix& w, const float* x, int64_t m, float* y) {
+  const AmxActivations xa = prepare_amx_activations(x, m, w.cols);
+  const int64_t blocks = (w.rows + 15) / 16;
+  // Each thread takes one contiguous range of 16-row blocks (one tile configuration per thread and call).
+  const bool parallel = blocks > 1 && w.rows * w.cols >= (int64_t{1} << 15);
+#pragma omp parallel if (parallel)
+  {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
+    if (b1 > b0) rows_amx(w, xa, m, b0 * 16, std::min(w.rows, b1 * 16), y);
+  }
+}
+
+// AMX needs the CPU's tile units (CPUID.7.0:EDX bits 24 AMX-TILE and 22 AMX-BF16), an OS that saves tile
+// state (XCR0 bits 17-18), and on Linux the process's request for it (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, kernel 5.16+; refused under older kernels and some hypervisors).
+bool amx_usable() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  if (!(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
+  uint32_t xcr0_lo = 0, xcr0_hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & (3u << 17)) != (3u << 17)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Portable fallback: 8 interleaved partial sums per (m, o), then a fixed pairwise sum.
 template <WeightType T, int NR>
 void rows_scalar(const WeightMatrix& w, const Activations& /*xs*/, const float* x, int64_t m0,
@@ -225,17 +380,70 @@ void rows_scalar(const WeightMatrix& w, const Activations& /*xs*/, const float* 
   }
 }
 
-MatmulKernel detect_path() {
+bool has_avx512() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    return MatmulKernel::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return MatmulKernel::kAvx2;
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+bool has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// What the hardware (and OS) can run, whatever the environment asks for.
+bool hardware_supports(MatmulKernel kernel) {
+  static const bool avx512 = has_avx512(), avx2 = has_avx2_fma(), amx = avx512 && amx_usable();
+  switch (kernel) {
+    case MatmulKernel::kAmx:
+      return amx;
+    case MatmulKernel::kAvx512:
+      return avx512;
+    case MatmulKernel::kAvx2:
+      return avx2;
+    case MatmulKernel::kScalar:
+      return true;
+  }
+  return false;
+}
+
+const char* kernel_name(MatmulKernel kernel) {
+  switch (kernel) {
+    case MatmulKernel::kAmx:
+      return "amx";
+    case MatmulKernel::kAvx512:
+      return "avx512";
+    case MatmulKernel::kAvx2:
+      return "avx2";
+    case MatmulKernel::kScalar:
+      return "scalar";
+  }
+  return "scalar";
+}
+
+constexpr MatmulKernel kKernels[] = {MatmulKernel::kAmx, MatmulKernel::kAvx512, MatmulKernel::kAvx2,
+                                     MatmulKernel::kScalar};
+
+MatmulKernel detect_path() {
+  if (const char* forced = std::getenv("MTPX_MATMUL_KERNEL"); forced != nullptr && *forced != '\0') {
+    for (MatmulKernel k : kKernels) {
+      if (std::string_view(forced) != kernel_name(k)) continue;
+      if (!hardware_supports(k))
+        invalid_input("MTPX_MATMUL_KERNEL={}: this CPU cannot run those kernels", forced);
+      return k;
+    }
+    invalid_input("MTPX_MATMUL_KERNEL must be amx, avx512, avx2 or scalar, got '{}'", forced);
+  }
+  // AMX only when asked for: on the 2-core Sapphire Rapids-class Xeon it measured it lost at one row on
+  // cache-resident models (the shipped model: 832 vs 1108 tok/s) and did not win on the 0.8B shape
+  // (BENCHMARKS.md, session 6).
+  for (MatmulKernel k : {MatmulKernel::kAvx512, MatmulKernel::kAvx2})
+    if (hardware_supports(k)) return k;
   return MatmulKernel::kScalar;
 }
 
 MatmulKernel path() {
-  static const MatmulKernel p = detect_path();  // a property of the CPU, computed once
+  static const MatmulKernel p = detect_path();  // a property of the CPU (and the environment), computed once
   return p;
 }
 
@@ -259,6 +467,7 @@ const KernelSet& kernels_for(MatmulKernel p) {
   static const KernelSet scalar = {
       {rows_scalar<T, 1>, rows_scalar<T, 2>, rows_scalar<T, 3>, rows_scalar<T, 4>}, 4, false};
   switch (p) {
+    case MatmulKernel::kAmx:  // the AMX family's kernels for weights the tiles do not serve
     case MatmulKernel::kAvx512:
       return avx512;
     case MatmulKernel::kAvx2:
@@ -330,17 +539,7 @@ int64_t weight_bytes(const WeightMatrix& w) {
   return 0;
 }
 
-bool matmul_kernel_supported(MatmulKernel kernel) {
-  switch (kernel) {
-    case MatmulKernel::kAvx512:
-      return path() == MatmulKernel::kAvx512;
-    case MatmulKernel::kAvx2:
-      return path() != MatmulKernel::kScalar;
-    case MatmulKernel::kScalar:
-      return true;
-  }
-  return false;
-}
+bool matmul_kernel_supported(MatmulKernel kernel) { return hardware_supports(kernel); }
 
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) { matmul(w, x, m, y, path()); }
 
@@ -357,6 +556,13 @@ void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKe
   if (m >= kGemmMinRows) {
     matmul_gemm(w, x, m, y);
     return;
+  }
+  if (kernel == MatmulKernel::kAmx) {
+    if (amx_serves(w)) {
+      matmul_amx(w, x, m, y);
+      return;
+    }
+    kernel = MatmulKernel::kAvx512;
   }
   const KernelSet& set = select_kernels(w.type, kernel);
   std::vector<float> buffer;
@@ -403,16 +609,6 @@ void weight_row_to_f32(const WeightMatrix& w, int64_t row, float* out) {
   for (int64_t k = 0; k < w.cols; ++k) out[k] = load_scalar(w.data, w.type, row * w.cols + k);
 }
 
-const char* simd_path() {
-  switch (path()) {
-    case MatmulKernel::kAvx512:
-      return "avx512";
-    case MatmulKernel::kAvx2:
-      return "avx2";
-    case MatmulKernel::kScalar:
-      return "scalar";
-  }
-  return "scalar";
-}
+const char* simd_path() { return kernel_name(path()); }
 
 }  // namespace mtpx::cpu

@@ -51,7 +51,13 @@ void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y);
 // The SIMD families of the small-M kernels. matmul() uses the one simd_path() names; tests run every one
 // this CPU supports (each is batch-invariant on its own; they differ from one another in the last bits).
 // kAvx2 runs on AVX-512 CPUs too. Affine weights ignore the choice (see affine_matmul's AffineKernel).
-enum class MatmulKernel { kAvx512, kAvx2, kScalar };
+// kAmx (Intel AMX-BF16 tile multiplies, Sapphire Rapids and later) serves bf16 weights whose rows are a
+// multiple of 32 long; other weights take the AVX-512 kernels in that family. A tile multiply costs the
+// same for 1 or 5 rows, so its verify windows cost little more than a decode row; but its one-row pass
+// was slower than AVX-512's where measured, so it runs only when asked for.
+// The family is picked once per process from the CPU (AVX-512, else AVX2, else scalar); the environment
+// variable MTPX_MATMUL_KERNEL (amx, avx512, avx2 or scalar) overrides it.
+enum class MatmulKernel { kAmx, kAvx512, kAvx2, kScalar };
 bool matmul_kernel_supported(MatmulKernel kernel);
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKernel kernel);
 
@@ -61,7 +67,7 @@ void matmul_reference(const WeightMatrix& w, const float* x, int64_t m, float* y
 // Row `row` of the matrix widened to float32 (embedding lookup).
 void weight_row_to_f32(const WeightMatrix& w, int64_t row, float* out);
 
-// Which SIMD path the kernels picked on this CPU ("avx512", "avx2", "scalar").
+// Which SIMD path the kernels picked on this CPU ("amx", "avx512", "avx2", "scalar").
 const char* simd_path();
 
 }  // namespace mtpx::cpu

@@ -751,7 +751,7 @@ const AffineTiles* tiles_for(AffineKernel kernel, int bits, int64_t group_size) 
 AffineKernel detect_kernel() {
   // The same choice as the float kernels (simd_path()), so that one process uses one family throughout.
   const std::string_view path = simd_path();
-  if (path == "avx512") return AffineKernel::kAvx512;
+  if (path == "avx512" || path == "amx") return AffineKernel::kAvx512;
   if (path == "avx2" && affine_kernel_supported(AffineKernel::kAvx2)) return AffineKernel::kAvx2;
   return AffineKernel::kScalar;
 }
