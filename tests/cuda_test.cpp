@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "backend/cpu/ops.h"
 #include "cli_util.h"
 #include "decode/generate.h"
 #include "io/json_file.h"
@@ -159,6 +160,33 @@ TEST(Cuda, TrainedHeadAcceptanceMatchesTheCpu) {
   const GenerateResult a = generate(*cpu, prompt, o), b = generate(*gpu, prompt, o);
   EXPECT_GT(b.stats.mtp.acceptance(), 0.3);
   EXPECT_NEAR(a.stats.mtp.acceptance(), b.stats.mtp.acceptance(), 0.1);
+}
+
+// Greedy passes on the GPU copy back one id per row: the argmax of the logits the same pass computes (the
+// argmax_rows kernel is cpu::argmax), under a vocabulary limit too, for trunk windows and head passes.
+TEST(Cuda, ArgmaxPassesReturnTheArgmaxOfTheirLogits) {
+  MTPX_GPU_MODEL(gpu, kDefaultModel);
+  const int64_t V = gpu->config().vocab_size;
+  const auto prompt = prompt_for(*gpu, 5);
+  for (int64_t limit : {V, int64_t{100}}) {
+    InferenceState a = gpu->new_state(8), b = gpu->new_state(8);
+    ForwardResult with_logits, with_ids;
+    gpu->forward(a, prompt, LogitRows::kAll, with_logits);
+    gpu->forward(b, prompt, LogitRows::kAll, with_ids, /*record_window=*/true, limit);
+    ASSERT_EQ(with_ids.argmax.size(), prompt.size());
+    EXPECT_TRUE(with_ids.logits.empty());
+    for (size_t r = 0; r < prompt.size(); ++r)
+      EXPECT_EQ(with_ids.argmax[r], cpu::argmax(&with_logits.logits[r * static_cast<size_t>(V)], limit))
+          << "row " << r << " limit " << limit;
+    MtpState ha = new_mtp_state(*gpu, 8), hb = new_mtp_state(*gpu, 8);
+    MtpResult head_logits, head_ids;
+    const std::vector<int32_t> next(prompt.begin() + 1, prompt.end());
+    const std::span<const float> hidden(with_logits.hidden.data(), next.size() * gpu->config().hidden_size);
+    mtp_forward(*gpu, ha, hidden, next, 0, LogitRows::kLast, head_logits);
+    mtp_forward(*gpu, hb, hidden, next, 0, LogitRows::kLast, head_ids, /*logit_ids=*/0, limit);
+    ASSERT_EQ(head_ids.argmax.size(), 1u);
+    EXPECT_EQ(head_ids.argmax[0], cpu::argmax(head_logits.logits.data(), limit)) << "head, limit " << limit;
+  }
 }
 
 // A draft vocabulary on the GPU: the head's lm_head pass over the first N rows only. Greedy output stays

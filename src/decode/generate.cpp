@@ -28,9 +28,15 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
   Rng rng(options.seed);
   ForwardResult forward;
 
+  // Greedy: the pass's own argmax (on a device only that id is copied back), the one-hot truncate() gives.
+  const int64_t argmax_limit = options.sampler.greedy() ? vocab_limit : 0;
   auto t0 = Clock::now();
-  model.forward(state, prompt, LogitRows::kLast, forward);
-  auto next = [&]() { return sample(truncate(forward.logits, options.sampler, vocab_limit), rng); };
+  model.forward(state, prompt, LogitRows::kLast, forward, false, argmax_limit);
+  auto next = [&]() {
+    return sample(argmax_limit > 0 ? one_hot(forward.argmax[0])
+                                   : truncate(forward.logits, options.sampler, vocab_limit),
+                  rng);
+  };
   int32_t token = next();
   result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
 
@@ -47,7 +53,7 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
       result.finish_reason = "cancelled";
       break;
     }
-    model.forward(state, std::span<const int32_t>(&token, 1), LogitRows::kLast, forward);
+    model.forward(state, std::span<const int32_t>(&token, 1), LogitRows::kLast, forward, false, argmax_limit);
     ++result.stats.decode_steps;
     token = next();
   }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "backend/cpu/ops.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -24,21 +25,16 @@ float TokenDistribution::prob(int32_t id) const {
 
 int32_t argmax(std::span<const float> logits, int64_t vocab_limit) {
   const int64_t n = std::min<int64_t>(vocab_limit, static_cast<int64_t>(logits.size()));
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (logits[static_cast<size_t>(i)] > logits[static_cast<size_t>(best)]) best = i;
-  return static_cast<int32_t>(best);
+  return n > 0 ? cpu::argmax(logits.data(), n) : 0;
 }
+
+TokenDistribution one_hot(int32_t id) { return TokenDistribution{{id}, {1.0f}}; }
 
 TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p, int64_t vocab_limit) {
   TokenDistribution d;
   const int64_t n = std::min<int64_t>(vocab_limit, static_cast<int64_t>(logits.size()));
   if (n <= 0) invalid_input("no tokens to sample from");
-  if (p.greedy()) {
-    d.ids = {argmax(logits, n)};
-    d.probs = {1.0f};
-    return d;
-  }
+  if (p.greedy()) return one_hot(argmax(logits, n));
   // Candidate ids, highest logit first (ties: lower id first). With top-k only k (plus ties) are sorted.
   std::vector<int32_t> ids(static_cast<size_t>(n));
   std::iota(ids.begin(), ids.end(), 0);

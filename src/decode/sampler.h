@@ -45,6 +45,11 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
 // The largest logit's id among ids < vocab_limit (lowest id on ties).
 int32_t argmax(std::span<const float> logits, int64_t vocab_limit);
 
+// The distribution that gives `id` probability 1: what truncate() returns for a greedy sampler. Greedy
+// decoding on a device takes its argmax from the forward pass (ForwardResult::argmax, the same function
+// computed where the logits are) and goes through this, so no [rows, V] logits are copied to the host.
+TokenDistribution one_hot(int32_t id);
+
 // Seeded random numbers; the same seed gives the same stream on every machine.
 class Rng {
  public:

@@ -91,6 +91,18 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     return truncate(std::span<const float>(logits, static_cast<size_t>(draft_ids)), options.sampler,
                     std::min(draft_ids, vocab_limit));
   };
+  // Greedy: truncate() of a row is the one-hot of its argmax, so the passes return their rows' argmax
+  // (the same function, computed where the logits are: a device copies one id per row, not V floats).
+  const bool greedy = options.sampler.greedy();
+  const int64_t target_argmax = greedy ? vocab_limit : 0,
+                draft_argmax = greedy ? std::min(draft_ids, vocab_limit) : 0;
+  auto target_row = [&](const ForwardResult& r, int64_t row) {
+    return greedy ? one_hot(r.argmax[static_cast<size_t>(row)])
+                  : distribution(&r.logits[static_cast<size_t>(row * V)]);
+  };
+  auto head_row = [&](const MtpResult& r) {
+    return greedy ? one_hot(r.argmax[0]) : draft_distribution(r.logits.data());
+  };
   // Emits one token; false once generation is over (stop token or max_tokens).
   auto emit = [&](int32_t token) {
     result.tokens.push_back(token);
@@ -105,14 +117,15 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   // Prefill the trunk; the first token comes from its last row, exactly as in plain decoding.
   auto t0 = Clock::now();
   ForwardResult trunk;
-  model.forward(state, prompt, LogitRows::kLast, trunk);
-  int32_t last = sample(distribution(trunk.logits.data()), rng);
+  model.forward(state, prompt, LogitRows::kLast, trunk, false, target_argmax);
+  int32_t last = sample(target_row(trunk, 0), rng);
   // Prefill the head over the prompt (spec §6.3): row t = (h_t, x_{t+1}) at position t, t = 0..n-1.
   MtpResult head;
   {
     std::vector<int32_t> shifted(prompt.begin() + 1, prompt.end());
     shifted.push_back(last);
-    mtp_forward(model, head_state, trunk.hidden, shifted, 0, LogitRows::kLast, head, head_logit_ids);
+    mtp_forward(model, head_state, trunk.hidden, shifted, 0, LogitRows::kLast, head, head_logit_ids,
+                draft_argmax);
   }
   result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
 
@@ -135,10 +148,10 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     for (int64_t i = 0; i < k; ++i) {
       if (i > 0) {
         mtp_forward(model, head_state, head_hidden, std::span<const int32_t>(&drafts.back(), 1), P + i - 1,
-                    LogitRows::kLast, head, head_logit_ids);
+                    LogitRows::kLast, head, head_logit_ids, draft_argmax);
         head_hidden.assign(head.hidden.begin(), head.hidden.end());
       }
-      draft_dists.push_back(draft_distribution(head.logits.data()));
+      draft_dists.push_back(head_row(head));
       drafts.push_back(sample(draft_dists.back(), rng));
     }
 
@@ -154,10 +167,9 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     // Verify [last, d_1..d_k] in one trunk pass, recorded so it can be cut back to the accepted prefix.
     std::vector<int32_t> window{last};
     window.insert(window.end(), drafts.begin(), drafts.end());
-    model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true);
+    model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true, target_argmax);
     target_dists.clear();
-    for (int64_t i = 0; i <= k; ++i)
-      target_dists.push_back(distribution(&trunk.logits[static_cast<size_t>(i * V)]));
+    for (int64_t i = 0; i <= k; ++i) target_dists.push_back(target_row(trunk, i));
     const std::vector<int32_t> emitted = accept_drafts(drafts, draft_dists, target_dists, rng);
     const int64_t accepted = static_cast<int64_t>(emitted.size()) - 1;
 
@@ -178,7 +190,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     // drafts the next d_1.
     mtp_forward(model, head_state,
                 std::span<const float>(trunk.hidden.data(), static_cast<size_t>((accepted + 1) * H)), emitted,
-                P, LogitRows::kLast, head, head_logit_ids);
+                P, LogitRows::kLast, head, head_logit_ids, draft_argmax);
   }
   result.stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   result.stats.decode_steps = result.stats.mtp.steps;

@@ -30,14 +30,18 @@ class DeviceExecutor {
 
   // As Model::forward, at positions p0.. (validated by the caller). `record_window` keeps what
   // rollback needs.
+  // argmax_limit > 0: only each logit row's argmax over ids < argmax_limit is copied back (-1 for a row
+  // holding NaN or Inf), `logits` is left empty.
   virtual void forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens, LogitRows rows,
-                       std::vector<float>& hidden, std::vector<float>& logits, bool record_window) const = 0;
+                       bool record_window, int64_t argmax_limit, std::vector<float>& hidden,
+                       std::vector<float>& logits, std::vector<int32_t>& argmax) const = 0;
   // Cuts the last recorded window (of window_tokens) back to its first `keep` tokens.
   virtual void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const = 0;
   // As mtp_forward (model/mtp_head.h): logits of ids < logit_ids only (0: all), from that many lm_head rows.
   virtual void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
                            std::span<const int32_t> tokens, int64_t p0, LogitRows rows, int64_t logit_ids,
-                           std::vector<float>& hidden_out, std::vector<float>& logits) const = 0;
+                           int64_t argmax_limit, std::vector<float>& hidden_out, std::vector<float>& logits,
+                           std::vector<int32_t>& argmax) const = 0;
 };
 
 // The CUDA executor for `model` (weights uploaded now). Throws mtpx::Error (kUnsupported) when mtpx was

@@ -22,7 +22,7 @@ MtpState new_mtp_state(const Model& model, int64_t capacity) {
 
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
-                 int64_t logit_ids) {
+                 int64_t logit_ids, int64_t argmax_limit) {
   const MtpWeights* head = model.mtp();
   if (head == nullptr) invalid_input("the model has no MTP head: {}", model.mtp_status().detail);
   const ModelConfig& c = model.config();
@@ -34,7 +34,11 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
     invalid_input("MTP context overflow: {} positions, capacity {}", p0 + T, state.capacity());
   if (const DeviceExecutor* e = model.executor()) {
     if (state.device() == nullptr) invalid_input("mtp_forward: a host MTP state with a device model");
-    e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, result.hidden, result.logits);
+    e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, argmax_limit, result.hidden,
+                   result.logits, result.argmax);
+    for (int32_t id : result.argmax)
+      if (id < 0)
+        model.fail_non_finite(fmt::format("in the MTP head's logits at positions {}..{}", p0, p0 + T - 1));
     return;
   }
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -61,6 +65,11 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
     model.fail_non_finite(fmt::format("in the MTP head's {} at positions {}..{}",
                                       rows == LogitRows::kNone ? "hidden states" : "logits", p0, p0 + T - 1));
+  result.argmax.clear();
+  if (argmax_limit > 0 && rows != LogitRows::kNone)
+    for (size_t r = 0; r < result.logits.size() / static_cast<size_t>(lm_head.rows); ++r)
+      result.argmax.push_back(cpu::argmax(&result.logits[r * static_cast<size_t>(lm_head.rows)],
+                                          std::min(argmax_limit, lm_head.rows)));
 }
 
 }  // namespace mtpx

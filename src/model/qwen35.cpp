@@ -1,5 +1,7 @@
 #include "model/qwen35.h"
 
+#include <algorithm>
+
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
 #include "io/safetensors.h"
@@ -61,7 +63,7 @@ void Model::use_device(const std::string& device) {
 }
 
 void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows,
-                    ForwardResult& result, bool record_window) const {
+                    ForwardResult& result, bool record_window, int64_t argmax_limit) const {
   const ModelConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hidden_size;
@@ -76,7 +78,10 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   if ((executor_ != nullptr) != (state.device() != nullptr))
     invalid_input("forward: the state was made for another device than the model's");
   if (executor_) {
-    executor_->forward(*state.device(), p0, tokens, rows, result.hidden, result.logits, record_window);
+    executor_->forward(*state.device(), p0, tokens, rows, record_window, argmax_limit, result.hidden,
+                       result.logits, result.argmax);
+    for (int32_t id : result.argmax)
+      if (id < 0) fail_non_finite(fmt::format("logits at positions {}..{}", p0, p0 + T - 1));
     if (record_window) state.set_window(p0, T);
     state.advance(T);
     return;
@@ -94,6 +99,11 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
     fail_non_finite(fmt::format("{} at positions {}..{}",
                                 rows == LogitRows::kNone ? "hidden states" : "logits", p0, p0 + T - 1));
+  result.argmax.clear();
+  if (argmax_limit > 0 && rows != LogitRows::kNone)
+    for (size_t r = 0; r < result.logits.size() / static_cast<size_t>(c.vocab_size); ++r)
+      result.argmax.push_back(cpu::argmax(&result.logits[r * static_cast<size_t>(c.vocab_size)],
+                                          std::min(argmax_limit, c.vocab_size)));
   if (record_window) state.set_window(p0, T);
   state.advance(T);
 }

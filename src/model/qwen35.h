@@ -22,8 +22,10 @@ namespace mtpx {
 class TensorStore;
 
 struct ForwardResult {
-  std::vector<float> hidden;  // [T, H]  post-final-norm hidden (the lm_head input; what MTP consumes)
-  std::vector<float> logits;  // [rows, V]  rows = T (kAll), 1 (kLast) or 0
+  std::vector<float> hidden;    // [T, H]  post-final-norm hidden (the lm_head input; what MTP consumes)
+  std::vector<float> logits;    // [rows, V]  rows = T (kAll), 1 (kLast) or 0; empty on a device when
+                                // argmax was asked for
+  std::vector<int32_t> argmax;  // [rows] with argmax_limit > 0: each row's argmax over ids < argmax_limit
 };
 
 class Model {
@@ -56,8 +58,10 @@ class Model {
 
   // Runs `tokens` at positions state.position() .. +T-1, advancing the state. With `record_window`
   // (T < kGemmMinRows), the pass can afterwards be cut back to any prefix with rollback().
+  // argmax_limit > 0 (greedy decoding): result.argmax gets each logit row's argmax over ids < the limit
+  // (cpu::argmax), and a device copies only those instead of the [rows, V] logits.
   void forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
-               bool record_window = false) const;
+               bool record_window = false, int64_t argmax_limit = 0) const;
 
   // Throws kInvalidInput for NaN or Inf that a forward pass produced (`what`: "logits at position 12"),
   // naming the checkpoint tensors that hold NaN or Inf: sampling from such logits would emit garbage.

@@ -50,4 +50,13 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, f
 // True when no element is NaN or +-Inf.
 bool all_finite(const float* x, int64_t n);
 
+// The index of the largest of x[0..n), the lowest on ties (n >= 1). What greedy decoding picks; the CUDA
+// argmax_rows kernel gives the same index. (Inline: the sampler's fuzz build links no kernels.)
+inline int32_t argmax(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (x[i] > x[best]) best = i;
+  return static_cast<int32_t>(best);
+}
+
 }  // namespace mtpx::cpu

@@ -502,14 +502,24 @@ __global__ void gated_rms_norm_kernel(float* o, const float* __restrict__ z, con
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) r[i] = ((r[i] * scale) * w[i]) * silu(zr[i]);
 }
 
+// The first index of the row's maximum (cpu::argmax), or -1 when the row holds NaN or Inf (the host then
+// reports the non-finite logits, as the CPU path does).
 __global__ void argmax_kernel(const float* __restrict__ logits, int64_t vocab, int64_t limit, int32_t* out) {
   __shared__ float best_v[1024];
   __shared__ int32_t best_i[1024];
+  __shared__ int non_finite;
+  if (threadIdx.x == 0) non_finite = 0;
+  __syncthreads();
   const float* row = logits + blockIdx.x * vocab;
   float bv = -INFINITY;
   int32_t bi = 0x7fffffff;
-  for (int64_t i = threadIdx.x; i < limit; i += blockDim.x)
-    if (row[i] > bv) bv = row[i], bi = static_cast<int32_t>(i);
+  bool bad = false;
+  for (int64_t i = threadIdx.x; i < limit; i += blockDim.x) {
+    const float v = row[i];
+    bad |= !isfinite(v);
+    if (v > bv) bv = v, bi = static_cast<int32_t>(i);
+  }
+  if (bad) non_finite = 1;
   best_v[threadIdx.x] = bv, best_i[threadIdx.x] = bi;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
@@ -521,7 +531,7 @@ __global__ void argmax_kernel(const float* __restrict__ logits, int64_t vocab, i
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) out[blockIdx.x] = best_i[0] == 0x7fffffff ? 0 : best_i[0];
+  if (threadIdx.x == 0) out[blockIdx.x] = non_finite ? -1 : best_i[0] == 0x7fffffff ? 0 : best_i[0];
 }
 
 }  // namespace

@@ -110,7 +110,8 @@ void delta_rule(const float* x, const float* g, const float* beta, const float* 
 void gated_rms_norm(float* o, const float* z, const float* weight, float eps, int64_t rows, int64_t n,
                     void* stream);
 
-// Greedy helper: out[r] = argmax over the first `limit` logits of row r (lowest index on ties).
+// Greedy decoding: out[r] = argmax over the first `limit` logits of row r (lowest index on ties, as
+// cpu::argmax), or -1 when those logits hold NaN or Inf.
 void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int32_t* out, void* stream);
 
 }  // namespace mtpx::cuda
