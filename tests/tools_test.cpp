@@ -170,6 +170,33 @@ TEST(Tools, TuneSavesAProfileThatGenerateUsesAndStaleProfilesAreNotUsed) {
   const json g =
       run_json("generate --model " + model.string() + " --prompt-ids 1,2,3 --max-tokens 8 --mtp --json");
   EXPECT_EQ(g["stats"]["mtp"]["draft"], k > 0 ? k : 1);
+  // The draft vocabulary: tune tries the candidates asked for at every K (the shipped 8192-id model has
+  // no default ones), and generate takes the profile's choice unless --draft-vocab says otherwise.
+  {
+    const auto t2 = run("tune --model " + model.string() +
+                        " --max-draft 1 --max-tokens 16 --runs 1 --draft-vocab 4096 --json");
+    ASSERT_EQ(t2.code, 0) << t2.err;
+    const json p2 = json::parse(t2.out);
+    ASSERT_EQ(p2["evidence"].size(), 3u);
+    EXPECT_EQ(p2["evidence"][1]["draft_vocab"], 0);
+    EXPECT_EQ(p2["evidence"][2]["draft_vocab"], 4096);
+    EXPECT_EQ(p2["draft_vocab_candidates"], json::array({4096}));
+    json chosen = read_json_file(model / "mtpx_runtime.json");
+    chosen["draft"] = 2;
+    chosen["draft_vocab"] = 4096;
+    tools::write_json_file(model / "mtpx_runtime.json", chosen);
+    const std::string gen =
+        "generate --model " + model.string() + " --prompt-ids 1,2,3 --max-tokens 8 --mtp --json";
+    const json tuned = run_json(gen)["stats"]["mtp"];
+    EXPECT_EQ(tuned["draft"], 2);
+    EXPECT_EQ(tuned["draft_vocab"], 4096);
+    EXPECT_EQ(run_json(gen + " --draft-vocab 100")["stats"]["mtp"]["draft_vocab"], 100);
+    chosen["draft_vocab"] = -1;
+    tools::write_json_file(model / "mtpx_runtime.json", chosen);
+    EXPECT_EQ(run_json("inspect " + model.string() + " --json")["runtime_profile"]["status"], "invalid");
+    EXPECT_EQ(run_json(gen)["stats"]["mtp"]["draft_vocab"], 0);
+    tools::write_json_file(model / "mtpx_runtime.json", on_disk);
+  }
   // A profile from another version is stale: reported, not used.
   json stale = on_disk;
   stale["mtpx_version"] = "0.0.0-other";

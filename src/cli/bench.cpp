@@ -28,7 +28,7 @@ struct BenchFlags {
   int64_t max_tokens = 400;
   int runs = 3;
   std::optional<int64_t> draft;
-  int64_t draft_vocab = 0;
+  std::optional<int64_t> draft_vocab;
   double synthetic_acceptance = -1.0;
   bool json = false;
   int threads = 0;
@@ -48,18 +48,19 @@ int run_bench_command(const BenchFlags& f) {
     prompt = resolve_prompt(f.prompt, f.prompt_ids, tokenizer, dir, model->config().vocab_size);
 
   const GenerationConfig gen = load_generation_config(dir / "generation_config.json");
-  const std::optional<int64_t> tuned = tools::tuned_draft(dir, tools::profile_device(*model));
-  int64_t draft = f.draft.value_or(tuned && *tuned > 0 ? *tuned : 2);
+  const auto tuned = tools::tuned_decoding(dir, tools::profile_device(*model));
+  int64_t draft = f.draft.value_or(tuned && tuned->draft > 0 ? tuned->draft : 2);
+  const int64_t draft_vocab = f.draft_vocab.value_or(tuned && tuned->draft > 0 ? tuned->draft_vocab : 0);
   const bool mtp = model->mtp() != nullptr;
   if (f.draft && !mtp)
     invalid_input("--draft: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
 
   std::vector<tools::BenchCase> cases = {{"greedy", SamplerParams{.temperature = 0.0}, 0}};
-  if (mtp) cases.push_back({"greedy", SamplerParams{.temperature = 0.0}, draft, f.draft_vocab});
+  if (mtp) cases.push_back({"greedy", SamplerParams{.temperature = 0.0}, draft, draft_vocab});
   const SamplerParams s = sampler_defaults(gen);
   if (!s.greedy() && f.synthetic_acceptance < 0) {
     cases.push_back({"default", s, 0});
-    if (mtp) cases.push_back({"default", s, draft, f.draft_vocab});
+    if (mtp) cases.push_back({"default", s, draft, draft_vocab});
   }
   tools::BenchProtocol protocol;
   protocol.prompts = {prompt};

@@ -33,11 +33,12 @@ struct GenerateFlags {
   bool json = false;
   bool mtp = false;
   std::optional<int64_t> draft;
-  int64_t draft_vocab = 0;
+  std::optional<int64_t> draft_vocab;
 };
 
 nlohmann::json mtp_json(const MtpStats& m) {
   return {{"draft", m.draft},
+          {"draft_vocab", m.draft_vocab},
           {"steps", m.steps},
           {"drafted", m.drafted},
           {"accepted", m.accepted},
@@ -78,10 +79,10 @@ int run_generate(const GenerateFlags& f) {
   if (f.mtp) {
     if (model->mtp() == nullptr)
       invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
-    // K: the flag; else the tuned runtime profile of this model and machine (mtpx tune); else 1.
-    const std::optional<int64_t> tuned = tools::tuned_draft(dir, tools::profile_device(*model));
-    options.draft = f.draft.value_or(tuned && *tuned > 0 ? *tuned : 1);
-    options.draft_vocab = f.draft_vocab;
+    // K and the draft vocabulary: the flags; else the tuned runtime profile's (mtpx tune); else 1 and all.
+    const auto tuned = tools::tuned_decoding(dir, tools::profile_device(*model));
+    options.draft = f.draft.value_or(tuned && tuned->draft > 0 ? tuned->draft : 1);
+    options.draft_vocab = f.draft_vocab.value_or(tuned && tuned->draft > 0 ? tuned->draft_vocab : 0);
   }
   options.stop_ids = gen.eos_token_ids;
   for (int32_t id : model->config().eos_token_ids) options.stop_ids.push_back(id);

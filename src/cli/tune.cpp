@@ -56,15 +56,19 @@ int run_tune(TuneFlags f) {
     return 0;
   }
   fmt::print(
-      "| K | tok/s (median) | min-max | vs plain | acceptance by position | tokens/step "
-      "|\n|---|---|---|---|---|---|\n");
+      "| K | draft vocabulary | tok/s (median) | min-max | vs plain | acceptance by position | tokens/step "
+      "|\n|---|---|---|---|---|---|---|\n");
   for (const auto& e : profile["evidence"]) {
     std::string by_position;
     if (e.contains("acceptance_by_position"))
       for (double a : e["acceptance_by_position"]) by_position += fmt::format("{:.2f} ", a);
+    const int64_t vocab = e.value("draft_vocab", int64_t{0});
     fmt::print(
-        "| {} | {:.1f} | {:.1f}-{:.1f} | {:.2f}x | {}| {} |\n",
+        "| {} | {} | {:.1f} | {:.1f}-{:.1f} | {:.2f}x | {}| {} |\n",
         e["draft"].get<int64_t>() ? std::to_string(e["draft"].get<int64_t>()) : "plain",
+        e["draft"].get<int64_t>() == 0 ? "-"
+        : vocab > 0                    ? std::to_string(vocab)
+                                       : "all",
         e["tok_s"].get<double>(), e["tok_s_min"].get<double>(), e["tok_s_max"].get<double>(),
         e["speedup"].get<double>(), by_position,
         e.contains("tokens_per_step") ? fmt::format("{:.2f}", e["tokens_per_step"].get<double>()) : "1.00");
@@ -92,6 +96,12 @@ std::function<int()> add_tune_command(CLI::App& app) {
   app.add_option("--synthetic-acceptance", f->options.synthetic_acceptance,
                  "drafts right with this probability (random-weight models; greedy only)")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option(
+         "--draft-vocab", f->options.draft_vocabs,
+         "draft vocabularies to try beside the whole one, comma-separated (0: none; default: 32768 for "
+         "vocabularies of 131072 ids or more)")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   app.add_flag("--json", f->json, "print the profile as JSON");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
   app.add_option("--device", f->device, "where the forward passes run: cpu or cuda")

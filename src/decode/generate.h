@@ -37,6 +37,7 @@ inline constexpr int64_t kMaxDraft = 8;
 // Speculative decoding counters (all zero without MTP).
 struct MtpStats {
   int64_t draft = 0;                          // K
+  int64_t draft_vocab = 0;                    // drafts from ids below this (0: the whole vocabulary)
   int64_t steps = 0;                          // verify passes
   int64_t drafted = 0;                        // draft tokens proposed
   int64_t accepted = 0;                       // draft tokens accepted

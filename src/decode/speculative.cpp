@@ -87,6 +87,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   if (options.draft_vocab < 0) invalid_input("--draft-vocab must be positive, got {}", options.draft_vocab);
   const int64_t draft_ids = options.draft_vocab > 0 ? std::min(options.draft_vocab, vocab_limit) : V;
   const int64_t head_logit_ids = draft_ids < V ? draft_ids : 0;  // 0: the head computes all V logits
+  result.stats.mtp.draft_vocab = head_logit_ids;
   auto draft_distribution = [&](const float* logits) {
     return truncate(std::span<const float>(logits, static_cast<size_t>(draft_ids)), options.sampler,
                     std::min(draft_ids, vocab_limit));

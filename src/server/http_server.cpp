@@ -386,19 +386,23 @@ Server::Server(ServerOptions options) : state_(std::make_unique<State>()) {
   d.draft_vocab = o.draft_vocab;
   bool mtp = o.mtp;
   s.draft_source = "--draft";
-  if (d.draft == 0) {
-    // K from `mtpx tune`'s runtime profile when there is a valid one (0 there: plain decoding was faster
-    // on this machine, so MTP starts off); else generate's default.
-    std::optional<int64_t> tuned;
+  // K and the draft vocabulary from `mtpx tune`'s runtime profile when there is a valid one and the flags
+  // leave them open (K = 0 there: plain decoding was faster on this machine, so MTP starts off); else
+  // generate's defaults.
+  std::optional<tools::TunedDecoding> tuned;
+  if (d.draft == 0 || d.draft_vocab == 0) {
     try {
-      tuned = tools::tuned_draft(o.model_dir, tools::profile_device(*s.model));
+      tuned = tools::tuned_decoding(o.model_dir, tools::profile_device(*s.model));
     } catch (const std::exception&) {
     }
-    d.draft = tuned && *tuned > 0 ? *tuned : 1;
-    if (tuned && *tuned == 0) mtp = false;
-    s.draft_source = !tuned       ? "default"
-                     : *tuned > 0 ? "tuned profile"
-                                  : "tuned profile: plain decoding is faster";
+  }
+  if (d.draft_vocab == 0 && tuned && tuned->draft > 0) d.draft_vocab = tuned->draft_vocab;
+  if (d.draft == 0) {
+    d.draft = tuned && tuned->draft > 0 ? tuned->draft : 1;
+    if (tuned && tuned->draft == 0) mtp = false;
+    s.draft_source = !tuned             ? "default"
+                     : tuned->draft > 0 ? "tuned profile"
+                                        : "tuned profile: plain decoding is faster";
   }
   if (d.draft < 1 || d.draft > kMaxDraft)
     invalid_input("--draft must be in [1, {}], got {}", kMaxDraft, d.draft);
@@ -471,7 +475,8 @@ void Server::stop() {
 std::string Server::describe() const {
   const State& s = *state_;
   const ServingDefaults& d = s.defaults;
-  const std::string mtp = d.mtp ? fmt::format("on (K={}, {})", d.draft, s.draft_source)
+  const std::string vocab = d.draft_vocab > 0 ? fmt::format(", draft vocabulary {}", d.draft_vocab) : "";
+  const std::string mtp = d.mtp ? fmt::format("on (K={}{}, {})", d.draft, vocab, s.draft_source)
                           : !d.mtp_available
                               ? std::string("unavailable (no MTP head)")
                               : fmt::format("off ({})", s.options.mtp ? s.draft_source : "--no-mtp");

@@ -102,8 +102,16 @@ json describe_runtime_profile(const std::filesystem::path& model_dir, const std:
     out["summary"] = "invalid (no valid 'draft')";
     return out;
   }
-  const int64_t draft = p["draft"].get<int64_t>();
+  if (p.contains("draft_vocab") &&
+      (!p["draft_vocab"].is_number_integer() || p["draft_vocab"].get<int64_t>() < 0)) {
+    out["status"] = "invalid";
+    out["reason"] = "'draft_vocab' is not a count";
+    out["summary"] = "invalid ('draft_vocab' is not a count)";
+    return out;
+  }
+  const int64_t draft = p["draft"].get<int64_t>(), draft_vocab = p.value("draft_vocab", int64_t{0});
   out["draft"] = draft;
+  out["draft_vocab"] = draft_vocab;
   out["date"] = p.value("date", "");
   std::string stale;
   if (p.value("mtpx_version", "") != MTPX_VERSION)
@@ -118,15 +126,19 @@ json describe_runtime_profile(const std::filesystem::path& model_dir, const std:
   }
   out["status"] = "valid";
   out["summary"] =
-      fmt::format("{} ({}, {})", draft > 0 ? fmt::format("MTP K={}", draft) : std::string("plain decoding"),
+      fmt::format("{} ({}, {})",
+                  draft == 0         ? std::string("plain decoding")
+                  : draft_vocab == 0 ? fmt::format("MTP K={}", draft)
+                                     : fmt::format("MTP K={}, draft vocabulary {}", draft, draft_vocab),
                   p.value("sampler", "?"), p.value("date", "?"));
   return out;
 }
 
-std::optional<int64_t> tuned_draft(const std::filesystem::path& model_dir, const std::string& device) {
+std::optional<TunedDecoding> tuned_decoding(const std::filesystem::path& model_dir,
+                                            const std::string& device) {
   const json d = describe_runtime_profile(model_dir, device);
   if (d.value("status", "") != "valid") return std::nullopt;
-  return d["draft"].get<int64_t>();
+  return TunedDecoding{d["draft"].get<int64_t>(), d["draft_vocab"].get<int64_t>()};
 }
 
 }  // namespace mtpx::tools

@@ -1,5 +1,6 @@
-// The runtime profile `mtpx tune` saves per model and machine (mtpx_runtime.json): the draft depth K
-// that measured fastest here, with the evidence. `generate` and `serve` take K from it by default. A
+// The runtime profile `mtpx tune` saves per model and machine (mtpx_runtime.json): the draft depth K and
+// draft vocabulary that measured fastest here, with the evidence. `generate`, `bench` and `serve` take
+// them from it by default. A
 // profile made on other hardware or by another mtpx version is reported as stale and not used.
 #pragma once
 
@@ -34,11 +35,17 @@ std::filesystem::path runtime_profile_path(const std::filesystem::path& model_di
 std::filesystem::path save_runtime_profile(const std::filesystem::path& model_dir, nlohmann::json profile,
                                            const std::string& device = "cpu");
 
-// {"present", "path", "status": "valid"|"stale"|"invalid", "reason", "draft", "summary"}.
+// {"present", "path", "status": "valid"|"stale"|"invalid", "reason", "draft", "draft_vocab", "summary"}.
 nlohmann::json describe_runtime_profile(const std::filesystem::path& model_dir,
                                         const std::string& device = "cpu");
 
-// The tuned draft depth (0 = plain decoding was fastest) when a valid profile exists.
-std::optional<int64_t> tuned_draft(const std::filesystem::path& model_dir, const std::string& device = "cpu");
+// What a valid profile chose: the draft depth (0 = plain decoding was fastest) and the draft vocabulary
+// (GenerateOptions::draft_vocab; 0 = the whole vocabulary, also for profiles older than the field).
+struct TunedDecoding {
+  int64_t draft = 0;
+  int64_t draft_vocab = 0;
+};
+std::optional<TunedDecoding> tuned_decoding(const std::filesystem::path& model_dir,
+                                            const std::string& device = "cpu");
 
 }  // namespace mtpx::tools

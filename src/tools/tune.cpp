@@ -10,13 +10,28 @@ namespace mtpx::tools {
 
 using nlohmann::json;
 
+std::vector<int64_t> default_draft_vocabularies(int64_t vocab_size) {
+  constexpr int64_t kDraftVocab = 32768;
+  return vocab_size >= 4 * kDraftVocab ? std::vector<int64_t>{kDraftVocab} : std::vector<int64_t>{};
+}
+
 json tune_draft_depth(const Model& model, const std::vector<std::vector<int32_t>>& prompts,
                       const TuneOptions& o, const std::function<void(double)>& progress) {
   if (model.mtp() == nullptr)
     invalid_input("tune: the model has no usable MTP head: {}", model.mtp_status().detail);
   if (o.max_draft < 1 || o.max_draft > kMaxDraft) invalid_input("--max-draft must be in [1, {}]", kMaxDraft);
+  const int64_t V = model.config().vocab_size;
+  std::vector<int64_t> vocabs;  // candidates smaller than the vocabulary, each once
+  for (int64_t n : o.draft_vocabs.value_or(default_draft_vocabularies(V))) {
+    if (n < 0) invalid_input("--draft-vocab must be positive, got {}", n);
+    if (n > 0 && n < V && std::find(vocabs.begin(), vocabs.end(), n) == vocabs.end()) vocabs.push_back(n);
+  }
   std::vector<BenchCase> cases;
-  for (int64_t k = 0; k <= o.max_draft; ++k) cases.push_back({o.sampler_name, o.sampler, k});
+  for (int64_t k = 0; k <= o.max_draft; ++k) {
+    cases.push_back({o.sampler_name, o.sampler, k});
+    if (k > 0)
+      for (int64_t n : vocabs) cases.push_back({o.sampler_name, o.sampler, k, n});
+  }
   BenchProtocol protocol;
   protocol.prompts = prompts;
   protocol.max_tokens = o.max_tokens;
@@ -26,28 +41,31 @@ json tune_draft_depth(const Model& model, const std::vector<std::vector<int32_t>
 
   const double plain = results[0].median_tok_s;
   json evidence = json::array();
-  int64_t best = 0;
+  int64_t best = 0, best_vocab = 0;
   double best_rate = 0.0;
   for (const BenchResult& r : results) {
-    json e = {{"draft", r.spec.draft},
-              {"tok_s", r.median_tok_s},
-              {"tok_s_min", r.min_tok_s},
-              {"tok_s_max", r.max_tok_s},
-              {"speedup", r.median_tok_s / plain}};
+    json e = {{"draft", r.spec.draft},    {"draft_vocab", r.spec.draft_vocab},
+              {"tok_s", r.median_tok_s},  {"tok_s_min", r.min_tok_s},
+              {"tok_s_max", r.max_tok_s}, {"speedup", r.median_tok_s / plain}};
     if (r.spec.draft > 0) {
       e["acceptance"] = r.mtp.acceptance();
       e["acceptance_by_position"] = r.acceptance_by_position;
       e["tokens_per_step"] = r.tokens_per_step;
-      if (r.median_tok_s > best_rate) best = r.spec.draft, best_rate = r.median_tok_s;
+      if (r.median_tok_s > best_rate)
+        best = r.spec.draft, best_vocab = r.spec.draft_vocab, best_rate = r.median_tok_s;
     }
     evidence.push_back(e);
   }
   const bool worth_it = best_rate >= plain * (1.0 + o.margin);
+  const std::string best_name =
+      best_vocab > 0 ? fmt::format("K={}, draft vocabulary {}", best, best_vocab) : fmt::format("K={}", best);
   return {{"draft", worth_it ? best : 0},
+          {"draft_vocab", worth_it ? best_vocab : 0},
+          {"draft_vocab_candidates", vocabs},
           {"recommendation",
-           worth_it ? fmt::format("MTP with K={} ({:.2f}x plain decoding)", best, best_rate / plain)
-                    : fmt::format("plain decoding (best MTP, K={}, is {:.2f}x: below the {:.0f}% margin)",
-                                  best, best_rate / plain, 100 * o.margin)},
+           worth_it ? fmt::format("MTP with {} ({:.2f}x plain decoding)", best_name, best_rate / plain)
+                    : fmt::format("plain decoding (best MTP, {}, is {:.2f}x: below the {:.0f}% margin)",
+                                  best_name, best_rate / plain, 100 * o.margin)},
           {"sampler", o.sampler_name},
           {"margin", o.margin},
           {"max_tokens", o.max_tokens},
@@ -85,19 +103,23 @@ std::string tune_chart_svg(const json& profile) {
   s += fmt::format("<text x=\"14\" y=\"{}\" transform=\"rotate(-90 14 {})\">tok/s</text>\n", top + plot_h / 2,
                    top + plot_h / 2);
   std::string line;
-  const int64_t chosen = profile.value("draft", int64_t{0});
+  const int64_t chosen = profile.value("draft", int64_t{0}),
+                chosen_vocab = profile.value("draft_vocab", int64_t{0});
   for (size_t i = 0; i < n; ++i) {
     const json& e = ev[i];
-    const int64_t k = e["draft"].get<int64_t>();
+    const int64_t k = e["draft"].get<int64_t>(), vocab = e.value("draft_vocab", int64_t{0});
     const double rate = e["tok_s"].get<double>();
     const double x = left + slot * static_cast<double>(i) + slot * 0.2, bw = slot * 0.6;
     const double bh = plot_h * rate / max_rate;
     s += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\"/>\n", x,
-                     top + plot_h - bh, bw, bh, k == chosen ? "#2b7bba" : "#9cc3e4");
+                     top + plot_h - bh, bw, bh, k == chosen && vocab == chosen_vocab ? "#2b7bba" : "#9cc3e4");
     s += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{:.0f}</text>\n", x + bw / 2,
                      top + plot_h - bh - 4, rate);
     s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", x + bw / 2,
-                     top + plot_h + 16, k == 0 ? std::string("plain") : fmt::format("K={}", k));
+                     top + plot_h + 16,
+                     k == 0       ? std::string("plain")
+                     : vocab == 0 ? fmt::format("K={}", k)
+                                  : fmt::format("K={}/{}k", k, vocab / 1024));
     if (e.contains("acceptance_by_position") && !e["acceptance_by_position"].empty()) {
       const double a = e["acceptance_by_position"][0].get<double>();
       line += fmt::format("{}{:.1f},{:.1f}", line.empty() ? "" : " ", x + bw / 2, top + plot_h - plot_h * a);
