@@ -62,6 +62,25 @@ const char* kernel_name(MatmulKernel k) {
                                       : "scalar";
 }
 
+// sum_k |x[m, k] W[o, k]| for every output: the scale of the AMX prefill's error bound.
+std::vector<float> abs_products(const Matrix& w, const std::vector<float>& x, int64_t m) {
+  const int64_t rows = w.view.rows, cols = w.view.cols;
+  std::vector<float> abs_x(x.size()), abs_w(static_cast<size_t>(rows * cols)), out(static_cast<size_t>(m * rows));
+  for (size_t i = 0; i < x.size(); ++i) abs_x[i] = std::abs(x[i]);
+  for (int64_t o = 0; o < rows; ++o) weight_row_to_f32(w.view, o, &abs_w[static_cast<size_t>(o * cols)]);
+  for (float& v : abs_w) v = std::abs(v);
+  matmul_reference(WeightMatrix{WeightType::kF32, abs_w.data(), rows, cols}, abs_x.data(), m, out.data());
+  return out;
+}
+
+// The float32 kernels' tolerance, plus, where the AMX prefill splits x into two bf16 terms (bf16 weights,
+// M >= kGemmMinRows), its bound 2^-16 sum_k |x_k w_k| (matmul.cpp).
+double tolerance(MatmulKernel kernel, WeightType type, int64_t m, int64_t cols, float ref, float abs_dot) {
+  const bool split_x = kernel == MatmulKernel::kAmx && type == WeightType::kBF16 && m >= kGemmMinRows;
+  return (split_x ? 0x1p-16 * abs_dot : 0.0) + 1e-5 * std::sqrt(static_cast<double>(cols)) +
+         1e-6 * std::abs(ref);
+}
+
 TEST_P(MatmulTest, MatchesDoubleReference) {
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1},
                             {5, 7},
@@ -76,14 +95,47 @@ TEST_P(MatmulTest, MatchesDoubleReference) {
       auto x = random_vector(static_cast<size_t>(m * cols), 2);
       std::vector<float> y(static_cast<size_t>(m * rows)), ref(y.size());
       matmul_reference(w.view, x.data(), m, ref.data());
+      const std::vector<float> abs_dot = abs_products(w, x, m);
       for (MatmulKernel kernel : supported_kernels()) {
         matmul(w.view, x.data(), m, y.data(), kernel);
         for (size_t i = 0; i < y.size(); ++i)
-          ASSERT_NEAR(y[i], ref[i], 1e-5 * std::sqrt(static_cast<double>(cols)) + 1e-6 * std::abs(ref[i]))
+          ASSERT_NEAR(y[i], ref[i], tolerance(kernel, GetParam(), m, cols, ref[i], abs_dot[i]))
               << kernel_name(kernel) << " rows=" << rows << " cols=" << cols << " m=" << m << " i=" << i;
       }
     }
   }
+}
+
+// The prefill path (M >= kGemmMinRows: sgemm, or AMX tiles for bf16 weights): several 32-row
+// activation blocks, output features in several groups, short last blocks in both dimensions, and
+// thread counts that split the groups unevenly.
+TEST_P(MatmulTest, PrefillMatchesDoubleReference) {
+  const int saved_threads = omp_get_max_threads();
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{16, 64},
+                            {80, 320},
+                            {300, 1024},
+                            {1100, 256},
+                            {45, 96}}) {
+    Matrix w = make_matrix(GetParam(), rows, cols, 5);
+    for (int64_t m : {kGemmMinRows, int64_t{37}, int64_t{100}}) {
+      auto x = random_vector(static_cast<size_t>(m * cols), 6);
+      std::vector<float> ref(static_cast<size_t>(m * rows));
+      matmul_reference(w.view, x.data(), m, ref.data());
+      const std::vector<float> abs_dot = abs_products(w, x, m);
+      for (int threads : {1, 2, 3}) {
+        omp_set_num_threads(threads);
+        for (MatmulKernel kernel : supported_kernels()) {
+          std::vector<float> y(ref.size(), NAN);
+          matmul(w.view, x.data(), m, y.data(), kernel);
+          for (size_t i = 0; i < y.size(); ++i)
+            ASSERT_NEAR(y[i], ref[i], tolerance(kernel, GetParam(), m, cols, ref[i], abs_dot[i]))
+                << kernel_name(kernel) << " rows=" << rows << " cols=" << cols << " m=" << m
+                << " threads=" << threads << " i=" << i;
+        }
+      }
+    }
+  }
+  omp_set_num_threads(saved_threads);
 }
 
 void check_batch_invariance(WeightType type, MatmulKernel kernel, int64_t rows, int64_t cols) {

@@ -6,9 +6,12 @@
 // (m, o), followed by a fixed sum of the four and a fixed horizontal sum; threads split the output
 // features, never the reduction. Decode (1 row) and speculative verify windows (K+1 <= 9 rows) are
 // therefore bit-identical row by row.
-// Prompt prefill (M >= kGemmMinRows) is compute-bound instead: it widens blocks of weights to float32 and
-// runs OpenBLAS sgemm on them. Its rows agree with the single-row results to float rounding, not bitwise;
-// prefill is the same computation in plain and speculative decoding, so this costs no losslessness.
+// Prompt prefill (M >= kGemmMinRows) is compute-bound instead: bf16 weights on a CPU with AMX go through
+// tile products with the activations split into two bf16 terms (16 of their 24 bits; matmul.cpp bounds
+// the error), other weights are widened to float32 in blocks for OpenBLAS sgemm. Its rows agree with the
+// single-row results to float rounding, not bitwise; prefill is the same computation in plain and
+// speculative decoding, so this costs no losslessness. MTPX_MATMUL_KERNEL=avx512|avx2|scalar keeps
+// prefill on sgemm.
 #pragma once
 
 #include <cstdint>
@@ -59,6 +62,7 @@ void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y);
 // variable MTPX_MATMUL_KERNEL (amx, avx512, avx2 or scalar) overrides it.
 enum class MatmulKernel { kAmx, kAvx512, kAvx2, kScalar };
 bool matmul_kernel_supported(MatmulKernel kernel);
+// With an explicit family, prefill takes the AMX tiles only for kAmx. The family must be supported.
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKernel kernel);
 
 // The same product computed in the plainest way (double accumulation): the oracle for tests.
