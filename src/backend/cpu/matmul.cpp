@@ -64,6 +64,22 @@ struct Activations {
   const float* row(int64_t r) const { return data + r * stride; }
 };
 
+// Software prefetch of the weight stream this many bytes ahead. The hardware prefetchers stop at every
+// 4 KiB page (a bf16 row of 1024 weights is half a page), and a one-row GEMV gives the core little else
+// to overlap; on the 2-core Xeon (AMX class) the lm_head product streamed at 68-75% of a plain read
+// without it and 90-109% with it (4 or 8 KiB ahead; BENCHMARKS.md, session 7). Prefetches change no
+// arithmetic, so batch invariance is untouched; past the end of the matrix they are harmless hints.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Prefetches the `bytes` of weights that start kPrefetchBytes after p, one hint per 64-byte line.
+template <int64_t bytes>
+inline void prefetch_ahead(const void* p) {
+  const char* ahead = static_cast<const char*>(p) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
+constexpr int64_t element_bytes(WeightType t) { return t == WeightType::kF32 ? 4 : 2; }
+
 // AVX-512: 16 lanes, blocks of 64; bf16 widened by zero-extension and a 16-bit shift.
 template <WeightType T>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline __m512 load16(const void* base,
@@ -94,6 +110,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
     for (int r = 0; r < NR; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < k64; k += 64) {
+      prefetch_ahead<64 * element_bytes(T)>(static_cast<const char*>(w.data) + (row + k) * element_bytes(T));
       __m512 wv[4];
       for (int j = 0; j < 4; ++j) wv[j] = load16<T>(w.data, row + k + 16 * j);
       for (int r = 0; r < NR; ++r)
@@ -156,6 +173,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const WeightMatrix& w, c
     for (int r = 0; r < NR; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < k32; k += 32) {
+      prefetch_ahead<32 * element_bytes(T)>(static_cast<const char*>(w.data) + (row + k) * element_bytes(T));
       __m256 wv[4];
       load16_pair<T>(w.data, row + k, wv[0], wv[1]);
       load16_pair<T>(w.data, row + k + 16, wv[2], wv[3]);
