@@ -144,13 +144,15 @@ int main(int argc, char** argv) {
   const double prefill_fraction = median(round_prefill_fraction);
 
   // Decode from a 16-token context against memory bandwidth, paired: each round streams the 1 GiB read
-  // buffer (best of 4 passes: 2 plain, 2 with software prefetch) and then times decode_tokens steps, so the ratio of a round compares the
-  // two under the same load from neighbours on this shared machine. Reported: the median round.
+  // buffer (best of 4 passes: 2 plain, 2 with software prefetch) and then times decode_tokens steps, so the
+  // ratio of a round compares the two under the same load from neighbours on this shared machine. Reported:
+  // the median round.
   const std::vector<float> read_buffer = make_read_buffer();
   std::vector<double> round_bandwidth, round_decode_s, round_fraction;
   for (int round = 0; round < 5; ++round) {
-    const double bw = std::max({read_bandwidth_once(read_buffer, false), read_bandwidth_once(read_buffer, true),
-                                read_bandwidth_once(read_buffer, false), read_bandwidth_once(read_buffer, true)});
+    const double bw =
+        std::max({read_bandwidth_once(read_buffer, false), read_bandwidth_once(read_buffer, true),
+                  read_bandwidth_once(read_buffer, false), read_bandwidth_once(read_buffer, true)});
     auto dstate = model->new_state(16 + decode_tokens + 16);
     model->forward(dstate, std::span<const int32_t>(prompt.data(), 16), mtpx::LogitRows::kLast, r);
     int32_t token = 1;

@@ -53,13 +53,15 @@ int main(int argc, char** argv) {
   int64_t decode_tokens = 128, prefill_tokens = 2048, mtp_tokens = 256;
   double acceptance = 0.8;
   bool json = false;
-  int64_t profile_steps = 0, draft_vocab = 32768;
+  int64_t profile_steps = 0, profile_prefill = 0, draft_vocab = 32768;
   app.add_option("--shape", shape, "model shape (spec §9)");
   std::string model_dir;
   app.add_option("--model", model_dir,
                  "a checkpoint instead of a synthetic shape (e.g. mtpx synth --shape 9B --bits 4 --mtp)");
   app.add_option("--profile-steps", profile_steps,
                  "only run a 32-token prompt and this many decode steps (for a profiler), then exit");
+  app.add_option("--profile-prefill", profile_prefill,
+                 "only run one prefill of this many tokens (for a profiler), then exit");
   app.add_option("--decode-tokens", decode_tokens);
   app.add_option("--prefill-tokens", prefill_tokens);
   app.add_option("--mtp-tokens", mtp_tokens, "tokens per MTP run (0: skip)");
@@ -74,6 +76,17 @@ int main(int argc, char** argv) {
 #else
   try {
     using namespace mtpx;
+    if (profile_prefill > 0) {
+      auto m = model_dir.empty() ? Model::synthetic(shape_config(shape), 1, /*with_mtp=*/false)
+                                 : Model::load(model_dir);
+      m->use_device("cuda");
+      InferenceState st = m->new_state(profile_prefill + 8);
+      ForwardResult out;
+      std::vector<int32_t> prompt(static_cast<size_t>(profile_prefill));
+      for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 11) % 1000);
+      m->forward(st, prompt, LogitRows::kLast, out);
+      return 0;
+    }
     if (profile_steps > 0) {
       auto m = model_dir.empty() ? Model::synthetic(shape_config(shape), 1, /*with_mtp=*/false)
                                  : Model::load(model_dir);

@@ -65,7 +65,8 @@ const char* kernel_name(MatmulKernel k) {
 // sum_k |x[m, k] W[o, k]| for every output: the scale of the AMX prefill's error bound.
 std::vector<float> abs_products(const Matrix& w, const std::vector<float>& x, int64_t m) {
   const int64_t rows = w.view.rows, cols = w.view.cols;
-  std::vector<float> abs_x(x.size()), abs_w(static_cast<size_t>(rows * cols)), out(static_cast<size_t>(m * rows));
+  std::vector<float> abs_x(x.size()), abs_w(static_cast<size_t>(rows * cols)),
+      out(static_cast<size_t>(m * rows));
   for (size_t i = 0; i < x.size(); ++i) abs_x[i] = std::abs(x[i]);
   for (int64_t o = 0; o < rows; ++o) weight_row_to_f32(w.view, o, &abs_w[static_cast<size_t>(o * cols)]);
   for (float& v : abs_w) v = std::abs(v);
@@ -111,11 +112,8 @@ TEST_P(MatmulTest, MatchesDoubleReference) {
 // thread counts that split the groups unevenly.
 TEST_P(MatmulTest, PrefillMatchesDoubleReference) {
   const int saved_threads = omp_get_max_threads();
-  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{16, 64},
-                            {80, 320},
-                            {300, 1024},
-                            {1100, 256},
-                            {45, 96}}) {
+  for (auto [rows, cols] :
+       {std::pair<int64_t, int64_t>{16, 64}, {80, 320}, {300, 1024}, {1100, 256}, {45, 96}}) {
     Matrix w = make_matrix(GetParam(), rows, cols, 5);
     for (int64_t m : {kGemmMinRows, int64_t{37}, int64_t{100}}) {
       auto x = random_vector(static_cast<size_t>(m * cols), 6);

@@ -399,8 +399,10 @@ __attribute__((target("avx512f"))) void transpose16x16_epi32(const uint32_t* src
   // r[q], r[4 + q], r[8 + q], r[12 + q] (X, Y, Z, W below).
   for (int q = 0; q < 4; ++q) {
     const __m512i x = r[q], y = r[4 + q], z = r[8 + q], w = r[12 + q];
-    const __m512i xy01 = _mm512_shuffle_i32x4(x, y, 0x44), zw01 = _mm512_shuffle_i32x4(z, w, 0x44);  // X0 X1 Y0 Y1
-    const __m512i xy23 = _mm512_shuffle_i32x4(x, y, 0xee), zw23 = _mm512_shuffle_i32x4(z, w, 0xee);  // X2 X3 Y2 Y3
+    const __m512i xy01 = _mm512_shuffle_i32x4(x, y, 0x44),
+                  zw01 = _mm512_shuffle_i32x4(z, w, 0x44);  // X0 X1 Y0 Y1
+    const __m512i xy23 = _mm512_shuffle_i32x4(x, y, 0xee),
+                  zw23 = _mm512_shuffle_i32x4(z, w, 0xee);                             // X2 X3 Y2 Y3
     _mm512_storeu_si512(dst + q * 16, _mm512_shuffle_i32x4(xy01, zw01, 0x88));         // X0 Y0 Z0 W0
     _mm512_storeu_si512(dst + (4 + q) * 16, _mm512_shuffle_i32x4(xy01, zw01, 0xdd));   // X1 Y1 Z1 W1
     _mm512_storeu_si512(dst + (8 + q) * 16, _mm512_shuffle_i32x4(xy23, zw23, 0x88));   // X2 Y2 Z2 W2
@@ -465,26 +467,28 @@ __attribute__((target("avx512f"))) void pack_amx_weight_block(const WeightMatrix
 // Output features [o_begin, o_end) for all activation rows, o_end - o_begin <= the group's rows.
 // Tiles: 0-3 C (activation block a x weight block b at 2a + b), 4-5 A, 6-7 B.
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void gemm_amx_group(const WeightMatrix& w,
-                                                                        const AmxGemmActivations& xa,
-                                                                        int64_t m, int64_t o_begin,
-                                                                        int64_t o_end, uint32_t* packed,
-                                                                        float* y) {
+                                                                         const AmxGemmActivations& xa,
+                                                                         int64_t m, int64_t o_begin,
+                                                                         int64_t o_end, uint32_t* packed,
+                                                                         float* y) {
   const int64_t k_dim = w.cols, k_blocks = k_dim / 32;
   const int64_t blocks = (o_end - o_begin + 31) / 32 * 2;  // whole pairs of 16-row blocks
-  for (int64_t b = 0; b < blocks; ++b) pack_amx_weight_block(w, o_begin + 16 * b, o_end, packed + b * k_blocks * 256);
+  for (int64_t b = 0; b < blocks; ++b)
+    pack_amx_weight_block(w, o_begin + 16 * b, o_end, packed + b * k_blocks * 256);
   alignas(64) float scratch[16 * 16];
   const long y_stride = static_cast<long>(w.rows * 4);
   // Stores C tile `tile` (rows r0.., columns c0..) into y, through the scratch tile where it reaches past
   // the rows or this thread's columns.
-#define MTPX_STORE_C(tile, r0, c0)                                                                  \
-  do {                                                                                              \
-    if ((r0) + 16 <= m && (c0) + 16 <= o_end) {                                                     \
-      _tile_stored(tile, y + (r0) * w.rows + (c0), y_stride);                                       \
-    } else {                                                                                        \
-      _tile_stored(tile, scratch, 64);                                                              \
-      for (int64_t i = 0; i < 16 && (r0) + i < m; ++i)                                              \
-        for (int64_t j = 0; j < 16 && (c0) + j < o_end; ++j) y[((r0) + i) * w.rows + (c0) + j] = scratch[i * 16 + j]; \
-    }                                                                                               \
+#define MTPX_STORE_C(tile, r0, c0)                                 \
+  do {                                                             \
+    if ((r0) + 16 <= m && (c0) + 16 <= o_end) {                    \
+      _tile_stored(tile, y + (r0)*w.rows + (c0), y_stride);        \
+    } else {                                                       \
+      _tile_stored(tile, scratch, 64);                             \
+      for (int64_t i = 0; i < 16 && (r0) + i < m; ++i)             \
+        for (int64_t j = 0; j < 16 && (c0) + j < o_end; ++j)       \
+          y[((r0) + i) * w.rows + (c0) + j] = scratch[i * 16 + j]; \
+    }                                                              \
   } while (0)
   for (int64_t r0 = 0; r0 < m; r0 += 32) {
     for (int64_t b = 0; b < blocks; b += 2) {
@@ -519,10 +523,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void gemm_amx_group(const W
 // Groups [g_begin, g_end) of group_rows output features: one tile configuration and one repacking buffer
 // per thread.
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void gemm_amx_groups(const WeightMatrix& w,
-                                                                         const AmxGemmActivations& xa,
-                                                                         int64_t m, int64_t group_rows,
-                                                                         int64_t g_begin, int64_t g_end,
-                                                                         float* y) {
+                                                                          const AmxGemmActivations& xa,
+                                                                          int64_t m, int64_t group_rows,
+                                                                          int64_t g_begin, int64_t g_end,
+                                                                          float* y) {
   AmxTileConfig config;
   for (int i = 0; i < 8; ++i) {
     config.rows[i] = 16;
@@ -539,7 +543,8 @@ void matmul_gemm_amx(const WeightMatrix& w, const float* x, int64_t m, float* y)
   const AmxGemmActivations xa = prepare_amx_gemm_activations(x, m, w.cols);
   const int64_t threads = omp_get_max_threads();
   int64_t group_rows = std::max<int64_t>(32, kAmxGemmGroupBytes / (w.cols * 2) / 32 * 32);
-  if ((w.rows + group_rows - 1) / group_rows < threads) group_rows = ((w.rows + threads - 1) / threads + 31) / 32 * 32;
+  if ((w.rows + group_rows - 1) / group_rows < threads)
+    group_rows = ((w.rows + threads - 1) / threads + 31) / 32 * 32;
   const int64_t groups = (w.rows + group_rows - 1) / group_rows;
 #pragma omp parallel if (groups > 1)
   {
