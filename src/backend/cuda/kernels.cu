@@ -375,7 +375,6 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
   }
 }
 
-
 __device__ __forceinline__ float warp_max(float v) {
   for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
@@ -396,15 +395,16 @@ __global__ void attention_prefill_kernel(const float* __restrict__ qg, const flo
   constexpr int D = 32 * EPL, kTile = 32;
   extern __shared__ float smem[];
   const int group = static_cast<int>(nq / nkv), warps = group * tq;
-  float* ks = smem;                        // [kTile][D + 1]
-  float* vs = ks + kTile * (D + 1);        // [kTile][D]
-  float* qs = vs + kTile * D;              // [warps][D]
+  float* ks = smem;                  // [kTile][D + 1]
+  float* vs = ks + kTile * (D + 1);  // [kTile][D]
+  float* qs = vs + kTile * D;        // [warps][D]
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t hk = blockIdx.y, t0 = static_cast<int64_t>(blockIdx.x) * tq;
   const int64_t t = t0 + warp / group, h = hk * group + warp % group;
   const bool active = t < t_count;
   const int64_t n_keys = active ? pos[0] + t + 1 : 0;
-  const int64_t block_keys = pos[0] + (t0 + tq < t_count ? t0 + tq : t_count);  // keys of the block's last row
+  const int64_t block_keys =
+      pos[0] + (t0 + tq < t_count ? t0 + tq : t_count);  // keys of the block's last row
   const float scale = 1.0f / sqrtf(static_cast<float>(D));
   if (active)
     for (int d = lane; d < D; d += 32) qs[warp * D + d] = qg[(t * nq + h) * 2 * D + d];
@@ -557,86 +557,126 @@ __global__ void deltanet_prepare_kernel(float* x, const float* __restrict__ b, c
   }
 }
 
-// blockIdx = (value head, column block of 32); thread j owns column j of the head's [Dk, Dv] state, kept in
-// registers over the window. Per token (§4.2): S = e^g S; kv = k^T S; delta = beta (v - kv); S += k delta^T;
-// o = q^T S. The next token's q, k, v, g and beta are loaded while this token computes (double-buffered q
-// and k in shared memory, one barrier per token), and kv and o are each summed in four interleaved partial
-// sums: a token costs a few dependent FMAs instead of two chains of DK plus the latency of its loads (the
-// recurrence was 35% of a 9B prefill). Batch-invariant: the same operations per token whatever the window.
+// blockIdx = (value head, block of kDeltaColumns columns); a warp holds those columns of the head's
+// [Dk, Dv] state in registers over the window, each column split over kDeltaParts lanes (lane = part *
+// kDeltaColumns + column), each lane Dk / kDeltaParts entries. Per token (§4.2): S = e^g S; kv = k^T S;
+// delta = beta (v - kv); S += k delta^T; o = q^T S, with kv and o each summed in four interleaved partial
+// sums per lane and the lanes of a column combined by a butterfly of shuffles, which gives every one of
+// them the same float ((a + b) + (c + d) up to the order of commutative additions). The inputs of
+// kDeltaChunk tokens (q, k, v, g, beta) are staged in shared memory by one cooperative load and read back
+// as float4. Why: with a whole column per thread a token took 4,200 cycles (ncu: one warp per SM, an
+// instruction every 8 cycles, 72% of the stalls on shared-memory loads) and the recurrence was 45% of a
+// 9B prefill. Batch-invariant: the same operations per token whatever the window or chunk.
+constexpr int kDeltaChunk = 16;
+constexpr int kDeltaParts = 4;
+constexpr int kDeltaColumns = 32 / kDeltaParts;  // columns per block of one warp
+
 template <int DK>
 __global__ void delta_rule_kernel(const float* __restrict__ x, const float* __restrict__ g,
                                   const float* __restrict__ beta, const float* s_in, float* s_out,
                                   float* __restrict__ s_before, float* __restrict__ o, int64_t t_count,
                                   int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim) {
-  static_assert(DK % 16 == 0 && DK <= 128, "one to four key elements per thread of 32");
-  constexpr int kPerThread = (DK + 31) / 32;
-  __shared__ float qs[2][DK], ks[2][DK];
+  constexpr int kPart = DK / kDeltaParts;
+  static_assert(kPart % 4 == 0, "whole float4 per lane");
+  __shared__ __align__(16) float qs[kDeltaChunk][DK];
+  __shared__ __align__(16) float ks[kDeltaChunk][DK];
+  __shared__ float vs[kDeltaChunk][kDeltaColumns], gs[kDeltaChunk], bs[kDeltaChunk];
   const int64_t h = blockIdx.x;
-  const int64_t j = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int column = threadIdx.x % kDeltaColumns, part = threadIdx.x / kDeltaColumns;
+  const int64_t j = blockIdx.y * static_cast<int64_t>(kDeltaColumns) + column;
   const int64_t key_head = h / (hv / hk);
   const bool active = j < dv;
-  const size_t base = static_cast<size_t>(h) * DK * dv;
-  float S[DK];
+  const size_t base = static_cast<size_t>(h) * DK * dv + static_cast<size_t>(part) * kPart * dv;
+  float S[kPart];
 #pragma unroll
-  for (int i = 0; i < DK; ++i) S[i] = active ? s_in[base + i * dv + j] : 0.0f;
+  for (int i = 0; i < kPart; ++i) S[i] = active ? s_in[base + i * dv + j] : 0.0f;
   if (s_before != nullptr && active) {
 #pragma unroll
-    for (int i = 0; i < DK; ++i) s_before[base + i * dv + j] = S[i];
+    for (int i = 0; i < kPart; ++i) s_before[base + i * dv + j] = S[i];
   }
-  // Token t's inputs into registers (q, k: this thread's share; v: its column).
-  float qn[kPerThread], kn[kPerThread], vn = 0.0f, gn = 0.0f, bn = 0.0f;
-  auto load = [&](int64_t t) {
-    const float* xt = x + t * conv_dim;
-#pragma unroll
-    for (int p = 0; p < kPerThread; ++p) {
-      const int i = threadIdx.x + 32 * p;
-      qn[p] = i < DK ? xt[key_head * DK + i] : 0.0f;
-      kn[p] = i < DK ? xt[hk * DK + key_head * DK + i] : 0.0f;
-    }
-    vn = active ? xt[2 * hk * DK + h * dv + j] : 0.0f;
-    gn = g[t * hv + h];
-    bn = beta[t * hv + h];
+  // The sum over a column's lanes, the same float in each of them.
+  auto column_sum = [](float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, kDeltaColumns);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2 * kDeltaColumns);
   };
-  auto stage = [&](int buffer) {
+  static_assert(kDeltaParts == 4, "column_sum combines four lanes");
+  for (int64_t c0 = 0; c0 < t_count; c0 += kDeltaChunk) {
+    const int n = static_cast<int>(t_count - c0 < kDeltaChunk ? t_count - c0 : kDeltaChunk);
+    __syncthreads();  // the previous chunk is consumed
+    // Staged in batches of kStageBatch loads per array and thread issued before any is stored, so a batch
+    // costs one memory latency (a loop of load-then-store waits for every load: 3,800 cycles per token).
+    constexpr int kStageBatch = 16;
+    for (int idx0 = 0; idx0 < n * DK; idx0 += 32 * kStageBatch) {
+      float qv[kStageBatch], kv_[kStageBatch];
 #pragma unroll
-    for (int p = 0; p < kPerThread; ++p) {
-      const int i = threadIdx.x + 32 * p;
-      if (i < DK) qs[buffer][i] = qn[p], ks[buffer][i] = kn[p];
+      for (int u = 0; u < kStageBatch; ++u) {
+        const int idx = idx0 + threadIdx.x + 32 * u;
+        const float* xt = x + (c0 + idx / DK) * conv_dim;
+        qv[u] = idx < n * DK ? xt[key_head * DK + idx % DK] : 0.0f;
+        kv_[u] = idx < n * DK ? xt[hk * DK + key_head * DK + idx % DK] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kStageBatch; ++u) {
+        const int idx = idx0 + threadIdx.x + 32 * u;
+        if (idx < n * DK) qs[idx / DK][idx % DK] = qv[u], ks[idx / DK][idx % DK] = kv_[u];
+      }
     }
-  };
-  if (t_count > 0) {
-    load(0);
-    stage(0);
-  }
-  __syncthreads();
-  for (int64_t t = 0; t < t_count; ++t) {
-    const int cur = static_cast<int>(t & 1);
-    const float v = vn, decay = expf(gn), b = bn;
-    if (t + 1 < t_count) load(t + 1);
-    if (active) {
-      const float* q = qs[cur];
-      const float* k = ks[cur];
+    {
+      static_assert(kDeltaChunk * kDeltaColumns % 32 == 0 && kDeltaChunk <= 32);
+      constexpr int kPer = kDeltaChunk * kDeltaColumns / 32;
+      float vv[kPer];
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int idx = threadIdx.x + 32 * u, t = idx / kDeltaColumns, c = idx % kDeltaColumns;
+        const int64_t col = blockIdx.y * static_cast<int64_t>(kDeltaColumns) + c;
+        vv[u] = t < n && col < dv ? x[(c0 + t) * conv_dim + 2 * hk * DK + h * dv + col] : 0.0f;
+      }
+      const bool own = threadIdx.x < n;
+      const float gv = own ? g[(c0 + threadIdx.x) * hv + h] : 0.0f;
+      const float bv = own ? beta[(c0 + threadIdx.x) * hv + h] : 0.0f;
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int idx = threadIdx.x + 32 * u;
+        vs[idx / kDeltaColumns][idx % kDeltaColumns] = vv[u];
+      }
+      if (own) gs[threadIdx.x] = gv, bs[threadIdx.x] = bv;
+    }
+    __syncthreads();
+    for (int t = 0; t < n; ++t) {  // every lane runs (the shuffles need the whole warp)
+      const float decay = expf(gs[t]);
+      const float4* q4 = reinterpret_cast<const float4*>(qs[t] + part * kPart);
+      const float4* k4 = reinterpret_cast<const float4*>(ks[t] + part * kPart);
       float kv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int i = 0; i < DK; ++i) {
-        S[i] *= decay;
-        kv[i % 4] = fmaf(k[i], S[i], kv[i % 4]);
+      for (int i = 0; i < kPart; i += 4) {
+        const float4 k = k4[i / 4];
+        S[i] *= decay, S[i + 1] *= decay, S[i + 2] *= decay, S[i + 3] *= decay;
+        kv[0] = fmaf(k.x, S[i], kv[0]);
+        kv[1] = fmaf(k.y, S[i + 1], kv[1]);
+        kv[2] = fmaf(k.z, S[i + 2], kv[2]);
+        kv[3] = fmaf(k.w, S[i + 3], kv[3]);
       }
-      const float delta = (v - ((kv[0] + kv[1]) + (kv[2] + kv[3]))) * b;
+      const float delta = (vs[t][column] - column_sum((kv[0] + kv[1]) + (kv[2] + kv[3]))) * bs[t];
       float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int i = 0; i < DK; ++i) {
-        S[i] = fmaf(k[i], delta, S[i]);
-        out[i % 4] = fmaf(q[i], S[i], out[i % 4]);
+      for (int i = 0; i < kPart; i += 4) {
+        const float4 k = k4[i / 4], q = q4[i / 4];
+        S[i] = fmaf(k.x, delta, S[i]);
+        S[i + 1] = fmaf(k.y, delta, S[i + 1]);
+        S[i + 2] = fmaf(k.z, delta, S[i + 2]);
+        S[i + 3] = fmaf(k.w, delta, S[i + 3]);
+        out[0] = fmaf(q.x, S[i], out[0]);
+        out[1] = fmaf(q.y, S[i + 1], out[1]);
+        out[2] = fmaf(q.z, S[i + 2], out[2]);
+        out[3] = fmaf(q.w, S[i + 3], out[3]);
       }
-      o[(t * hv + h) * dv + j] = (out[0] + out[1]) + (out[2] + out[3]);
+      const float out_all = column_sum((out[0] + out[1]) + (out[2] + out[3]));
+      if (active && part == 0) o[((c0 + t) * hv + h) * dv + j] = out_all;
     }
-    if (t + 1 < t_count) stage(cur ^ 1);
-    __syncthreads();
   }
   if (active) {
 #pragma unroll
-    for (int i = 0; i < DK; ++i) s_out[base + i * dv + j] = S[i];
+    for (int i = 0; i < kPart; ++i) s_out[base + i * dv + j] = S[i];
   }
 }
 
@@ -929,12 +969,13 @@ void deltanet_conv(const float* qkv, float* conv_state, const float* conv_weight
     fail(ErrorKind::kUnsupported, "--device cuda: conv kernel size {} > {}", kc, kMaxConvKernel);
   if (t_count >= kGemmMinRows) {
     const dim3 grid(blocks_for(channels, 256), static_cast<unsigned>((t_count + kConvRows - 1) / kConvRows));
-    conv_rows_kernel<<<grid, 256, 0, as_stream(stream)>>>(qkv, conv_state, conv_weight, t_count, channels, kc, x);
+    conv_rows_kernel<<<grid, 256, 0, as_stream(stream)>>>(qkv, conv_state, conv_weight, t_count, channels, kc,
+                                                          x);
     conv_state_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(qkv, conv_state, t_count,
                                                                                 channels, kc, conv_before);
   } else {
-    conv_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(qkv, conv_state, conv_weight, t_count,
-                                                                          channels, kc, x, conv_before);
+    conv_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(
+        qkv, conv_state, conv_weight, t_count, channels, kc, x, conv_before);
   }
   check_launch("deltanet_conv");
 }
@@ -958,8 +999,9 @@ void deltanet_prepare(float* x, const float* b, const float* a, const float* a_l
 void delta_rule(const float* x, const float* g, const float* beta, const float* s_in, float* s_out,
                 float* s_before, float* o, int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
                 int64_t conv_dim, void* stream) {
-  const int threads = 32;  // more blocks: a decode step is latency-bound on the state loads
-  const dim3 grid(static_cast<unsigned>(hv), blocks_for(dv, threads));
+  const int threads = 32;  // one warp per block, kDeltaColumns columns: many blocks (latency-bound)
+  static_assert(kDeltaColumns * kDeltaParts == threads);
+  const dim3 grid(static_cast<unsigned>(hv), blocks_for(dv, kDeltaColumns));
   const cudaStream_t s = as_stream(stream);
   switch (dk) {
 #define MTPX_DELTA_CASE(DK)                                                                             \

@@ -6,10 +6,12 @@
 // row with the same sequence of floating-point operations whatever the number of rows launched with it.
 // matmul splits the reduction over k the same way for every row count below kGemmMinRows; attention
 // gives each query row its own block with a key split that depends only on the row's own key count;
-// the delta rule runs token by token. Prompt prefill (>= kGemmMinRows rows) uses cuBLAS instead: not
-// bitwise equal to the row kernels, but prefill is the same computation in plain and speculative
-// decoding. Positions are read from device memory (`pos`) so that a captured CUDA graph can be
-// replayed at any position.
+// the delta rule runs token by token (in the same order whatever the window). Prompt prefill (>=
+// kGemmMinRows rows) uses cuBLAS for the products and a key-tiled attention kernel instead: not bitwise
+// equal to the row kernels, but prefill is the same computation in plain and speculative decoding (the
+// depthwise conv's prefill kernel does the row kernel's arithmetic, only in parallel over tokens).
+// Positions are read from device memory (`pos`) so that a captured CUDA graph can be replayed at any
+// position.
 #pragma once
 
 #include <cstdint>
