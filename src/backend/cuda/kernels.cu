@@ -461,6 +461,7 @@ __global__ void attention_prefill_kernel(const float* __restrict__ qg, const flo
 
 constexpr int kMaxConvKernel = 8;
 
+// x == nullptr: only the state moves on (the prefill path's outputs come from conv_rows_kernel).
 __global__ void conv_kernel(const float* __restrict__ qkv, float* conv_state, const float* __restrict__ w,
                             int64_t t_count, int64_t channels, int64_t kc, float* __restrict__ x,
                             float* __restrict__ conv_before) {
@@ -472,17 +473,18 @@ __global__ void conv_kernel(const float* __restrict__ qkv, float* conv_state, co
     if (conv_before != nullptr) conv_before[r * channels + ch] = old[r];
   }
   auto row = [&](int64_t r) { return r < kc - 1 ? old[r] : qkv[(r - (kc - 1)) * channels + ch]; };
-  for (int64_t t = 0; t < t_count; ++t) {
-    float s = 0.0f;
-    for (int64_t j = 0; j < kc; ++j) s = fmaf(w[ch * kc + j], row(t + j), s);
-    x[t * channels + ch] = silu(s);
-  }
+  if (x != nullptr)
+    for (int64_t t = 0; t < t_count; ++t) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < kc; ++j) s = fmaf(w[ch * kc + j], row(t + j), s);
+      x[t * channels + ch] = silu(s);
+    }
   for (int64_t r = 0; r < kc - 1; ++r) conv_state[r * channels + ch] = row(t_count + r);
 }
 
 // Prompt prefill: x for kConvRows tokens per thread, all tokens in parallel (conv_kernel walks every token
 // of a channel in one thread: 1.3 ms per 9B layer at 2048 tokens). The same fmaf sequence per output as
-// conv_kernel. conv_state is only read here; conv_state_kernel then moves it on.
+// conv_kernel. conv_state is only read here; conv_kernel without outputs then moves it on.
 constexpr int64_t kConvRows = 16;
 
 __global__ void conv_rows_kernel(const float* __restrict__ qkv, const float* __restrict__ conv_state,
@@ -498,22 +500,6 @@ __global__ void conv_rows_kernel(const float* __restrict__ qkv, const float* __r
     float s = 0.0f;
     for (int64_t j = 0; j < kc; ++j) s = fmaf(w[ch * kc + j], row(t + j), s);
     x[t * channels + ch] = silu(s);
-  }
-}
-
-// conv_state = the last kc - 1 rows of [conv_state; qkv] (conv_before: the old state, if asked for).
-__global__ void conv_state_kernel(const float* __restrict__ qkv, float* conv_state, int64_t t_count,
-                                  int64_t channels, int64_t kc, float* __restrict__ conv_before) {
-  const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (ch >= channels) return;
-  float old[kMaxConvKernel];
-  for (int64_t r = 0; r < kc - 1; ++r) {
-    old[r] = conv_state[r * channels + ch];
-    if (conv_before != nullptr) conv_before[r * channels + ch] = old[r];
-  }
-  for (int64_t r = 0; r < kc - 1; ++r) {
-    const int64_t src = t_count + r;
-    conv_state[r * channels + ch] = src < kc - 1 ? old[src] : qkv[(src - (kc - 1)) * channels + ch];
   }
 }
 
@@ -915,7 +901,8 @@ void attention(const float* qg, const float* key_cache, const float* value_cache
     const dim3 tiles(static_cast<unsigned>((t_count + tq - 1) / tq), static_cast<unsigned>(nkv));
     const size_t smem = static_cast<size_t>(32 * (head_dim + 1) + 32 * head_dim + group * tq * head_dim) * 4;
     auto launch = [&](auto kernel) {
-      // Above 48 KiB a kernel must ask for its dynamic shared memory (once per kernel is enough).
+      // Above 48 KiB a kernel must ask for its dynamic shared memory (a host-side attribute, set on every
+      // launch rather than kept as process state: cheap next to a prefill kernel).
       if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                      static_cast<int>(smem));
           e != cudaSuccess)
@@ -971,8 +958,8 @@ void deltanet_conv(const float* qkv, float* conv_state, const float* conv_weight
     const dim3 grid(blocks_for(channels, 256), static_cast<unsigned>((t_count + kConvRows - 1) / kConvRows));
     conv_rows_kernel<<<grid, 256, 0, as_stream(stream)>>>(qkv, conv_state, conv_weight, t_count, channels, kc,
                                                           x);
-    conv_state_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(qkv, conv_state, t_count,
-                                                                                channels, kc, conv_before);
+    conv_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(
+        qkv, conv_state, conv_weight, t_count, channels, kc, nullptr, conv_before);
   } else {
     conv_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(
         qkv, conv_state, conv_weight, t_count, channels, kc, x, conv_before);
