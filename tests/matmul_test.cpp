@@ -171,6 +171,36 @@ TEST_P(MatmulTest, BatchInvariantBitwise) {
     for (const int64_t cols : {300, 304, 1072, 320}) check_batch_invariance(GetParam(), kernel, 75, cols);
 }
 
+// matmul_shared_input: every product bit-identical to its own matmul() call, for decode and verify windows
+// (one team over all the matrices) and prefill (separate calls), at several thread counts; matrices of
+// 4 rows (the DeltaNet's b and a), partial chunks of 16 rows and a long one.
+TEST_P(MatmulTest, SharedInputMatchesSeparateProducts) {
+  const int64_t cols = 320;
+  std::vector<Matrix> ws;
+  for (int64_t rows : {75, 4, 4, 300, 16}) ws.push_back(make_matrix(GetParam(), rows, cols, 40 + rows));
+  const int saved_threads = omp_get_max_threads();
+  for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{5}, kGemmMinRows + 1}) {
+    auto x = random_vector(static_cast<size_t>(m * cols), 41);
+    for (int threads : {1, 2, 3}) {
+      omp_set_num_threads(threads);
+      std::vector<std::vector<float>> shared, separate;
+      std::vector<MatmulTarget> targets;
+      for (const Matrix& w : ws) {
+        shared.emplace_back(static_cast<size_t>(m * w.view.rows), NAN);
+        separate.emplace_back(static_cast<size_t>(m * w.view.rows), NAN);
+      }
+      for (size_t i = 0; i < ws.size(); ++i) targets.push_back({&ws[i].view, shared[i].data()});
+      matmul_shared_input(targets, x.data(), m);
+      for (size_t i = 0; i < ws.size(); ++i) {
+        matmul(ws[i].view, x.data(), m, separate[i].data());
+        ASSERT_EQ(0, std::memcmp(shared[i].data(), separate[i].data(), shared[i].size() * sizeof(float)))
+            << "matrix " << i << " m=" << m << " threads=" << threads;
+      }
+    }
+  }
+  omp_set_num_threads(saved_threads);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllTypes, MatmulTest,
                          ::testing::Values(WeightType::kF32, WeightType::kF16, WeightType::kBF16));
 

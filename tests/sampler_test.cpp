@@ -2,8 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
+#include <random>
 #include <vector>
 
 #include "util/error.h"
@@ -64,6 +67,36 @@ TEST(Sampler, MinPDropsTokensBelowAFractionOfTheTop) {
   std::vector<float> logits = {std::log(0.5f), std::log(0.3f), std::log(0.15f), std::log(0.05f)};
   EXPECT_EQ(truncate(logits, {.temperature = 1.0, .min_p = 0.2}, 4).ids, (std::vector<int32_t>{0, 1, 2}));
   EXPECT_EQ(truncate(logits, {.temperature = 1.0, .min_p = 0.61}, 4).ids, (std::vector<int32_t>{0}));
+}
+
+// Top-k against a brute force (sort every id): logits on a coarse grid so that ties at the k-th value are
+// common, k from 1 to past the vocabulary.
+TEST(Sampler, TopKMatchesFullSort) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> grid(-40, 40);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t n = 1 + trial * 37 % 500;
+    std::vector<float> logits(static_cast<size_t>(n));
+    for (float& l : logits) l = static_cast<float>(grid(rng)) * 0.25f;
+    for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{20}, n - 1, n, n + 5}) {
+      if (k < 1) continue;
+      std::vector<float> sorted = logits;
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      const float kth = sorted[static_cast<size_t>(std::min(k, n) - 1)];
+      size_t expected = 0;
+      for (float l : logits) expected += l >= kth ? 1 : 0;
+      const TokenDistribution d = truncate(logits, {.temperature = 1.0, .top_k = k}, n);
+      ASSERT_EQ(d.ids.size(), expected) << "n " << n << " k " << k;
+      for (size_t i = 0; i < d.ids.size(); ++i) {
+        ASSERT_GE(logits[static_cast<size_t>(d.ids[i])], kth);
+        if (i > 0) {  // highest first, ties by lower id
+          const float prev = logits[static_cast<size_t>(d.ids[i - 1])],
+                      cur = logits[static_cast<size_t>(d.ids[i])];
+          ASSERT_TRUE(prev > cur || (prev == cur && d.ids[i - 1] < d.ids[i]));
+        }
+      }
+    }
+  }
 }
 
 TEST(Sampler, OrderIsTemperatureTopKTopPMinP) {

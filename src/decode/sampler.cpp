@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include "backend/cpu/ops.h"
@@ -36,19 +37,32 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
   if (n <= 0) invalid_input("no tokens to sample from");
   if (p.greedy()) return one_hot(argmax(logits, n));
   // Candidate ids, highest logit first (ties: lower id first). With top-k only k (plus ties) are sorted.
-  std::vector<int32_t> ids(static_cast<size_t>(n));
-  std::iota(ids.begin(), ids.end(), 0);
+  std::vector<int32_t> ids;
   auto higher = [&](int32_t a, int32_t b) {
     const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
     return la > lb || (la == lb && a < b);
   };
   if (p.top_k > 0 && p.top_k < n) {
-    std::nth_element(ids.begin(), ids.begin() + (p.top_k - 1), ids.end(), higher);
-    const float kth = logits[static_cast<size_t>(ids[static_cast<size_t>(p.top_k - 1)])];
+    // The k-th largest logit (counting repeats) from one pass that keeps the k largest in a min-heap: most
+    // logits lose one comparison with the heap's top. (An nth_element over all n ids took 15 us for the
+    // shipped model's 8192, and speculative decoding truncates 2K + 1 rows per step.)
+    std::vector<float> heap(logits.begin(), logits.begin() + p.top_k);
+    std::make_heap(heap.begin(), heap.end(), std::greater<>());
+    for (int64_t i = p.top_k; i < n; ++i) {
+      const float l = logits[static_cast<size_t>(i)];
+      if (l > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+        heap.back() = l;
+        std::push_heap(heap.begin(), heap.end(), std::greater<>());
+      }
+    }
+    const float kth = heap.front();
     // Keep every token whose logit is >= the k-th largest (ties at the boundary survive, as in HF).
-    auto end = std::partition(ids.begin(), ids.end(),
-                              [&](int32_t id) { return logits[static_cast<size_t>(id)] >= kth; });
-    ids.erase(end, ids.end());
+    for (int64_t i = 0; i < n; ++i)
+      if (logits[static_cast<size_t>(i)] >= kth) ids.push_back(static_cast<int32_t>(i));
+  } else {
+    ids.resize(static_cast<size_t>(n));
+    std::iota(ids.begin(), ids.end(), 0);
   }
   std::sort(ids.begin(), ids.end(), higher);
 

@@ -103,9 +103,8 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
   std::vector<float> qg(static_cast<size_t>(T * nq * 2 * D));  // [T, nq, 2D]
   std::vector<float> k(static_cast<size_t>(T * nkv * D));      // [T, nkv, D]
   std::vector<float> v(static_cast<size_t>(T * nkv * D));      // [T, nkv, D]
-  cpu::matmul(w.q_proj, h, T, qg.data());
-  cpu::matmul(w.k_proj, h, T, k.data());
-  cpu::matmul(w.v_proj, h, T, v.data());
+  const cpu::MatmulTarget qkv[] = {{&w.q_proj, qg.data()}, {&w.k_proj, k.data()}, {&w.v_proj, v.data()}};
+  cpu::matmul_shared_input(qkv, h, T);
 
   // The cache grows with the positions used (std::vector doubles its capacity): a state's memory follows
   // the tokens processed, not the prompt + max_tokens it was created for.
@@ -144,7 +143,7 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
     for (int64_t hq = 0; hq < nq; ++hq) {
       float* od = &o[static_cast<size_t>((t * nq + hq) * D)];
       const float* gate = &qg[static_cast<size_t>((t * nq + hq) * 2 * D + D)];
-      for (int64_t d = 0; d < D; ++d) od[d] *= cpu::sigmoid(gate[d]);
+      cpu::mul_sigmoid(gate, D, od);
     }
   cpu::matmul(w.o_proj, o.data(), T, out);
 }

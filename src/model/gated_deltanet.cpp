@@ -14,29 +14,10 @@ namespace mtpx {
 void delta_rule_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           int64_t T, int64_t dk, int64_t dv, float* S, float* o, int64_t qk_stride,
                           int64_t v_stride, int64_t o_stride) {
-  std::vector<float> kv(static_cast<size_t>(dv));
-  std::vector<float> delta(static_cast<size_t>(dv));
-  for (int64_t t = 0; t < T; ++t) {
-    const float* qt = q + t * qk_stride;
-    const float* kt = k + t * qk_stride;
-    const float* vt = v + t * v_stride;
-    const float decay = std::exp(g[t]);
-    std::fill(kv.begin(), kv.end(), 0.0f);
-    for (int64_t i = 0; i < dk; ++i) {
-      float* row = S + i * dv;
-      for (int64_t j = 0; j < dv; ++j) row[j] *= decay;
-      cpu::axpy(kt[i], row, dv, kv.data());
-    }
-    for (int64_t j = 0; j < dv; ++j)
-      delta[static_cast<size_t>(j)] = (vt[j] - kv[static_cast<size_t>(j)]) * beta[t];
-    float* ot = o + t * o_stride;
-    std::fill_n(ot, dv, 0.0f);
-    for (int64_t i = 0; i < dk; ++i) {
-      float* row = S + i * dv;
-      cpu::axpy(kt[i], delta.data(), dv, row);
-      cpu::axpy(qt[i], row, dv, ot);
-    }
-  }
+  std::vector<float> scratch(static_cast<size_t>(2 * dv));
+  for (int64_t t = 0; t < T; ++t)
+    cpu::delta_rule_step(S, q + t * qk_stride, k + t * qk_stride, v + t * v_stride, std::exp(g[t]), beta[t],
+                         dk, dv, o + t * o_stride, scratch.data());
 }
 
 // §4.3, chunks of C (the last one may be shorter: n rows). Within a chunk with cumulative log-decay G and
@@ -114,10 +95,11 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
   std::vector<float> z(static_cast<size_t>(T * Hv * Dv));     // [T, Hv, Dv]
   std::vector<float> b(static_cast<size_t>(T * Hv));          // [T, Hv]
   std::vector<float> a(static_cast<size_t>(T * Hv));          // [T, Hv]
-  cpu::matmul(w.in_proj_qkv, h, T, qkv.data());
-  cpu::matmul(w.in_proj_z, h, T, z.data());
-  cpu::matmul(w.in_proj_b, h, T, b.data());
-  cpu::matmul(w.in_proj_a, h, T, a.data());
+  const cpu::MatmulTarget in_proj[] = {{&w.in_proj_qkv, qkv.data()},
+                                       {&w.in_proj_z, z.data()},
+                                       {&w.in_proj_b, b.data()},
+                                       {&w.in_proj_a, a.data()}};
+  cpu::matmul_shared_input(in_proj, h, T);
 
   // Causal depthwise conv over [conv state (Kc-1 rows) ; qkv (T rows)], then SiLU (§4.1). Per channel the
   // taps are summed in order j = 0..Kc-1 from 0, whatever T is; the weights are transposed so that the
@@ -141,7 +123,7 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
       const float* tap = &taps[static_cast<size_t>(j * conv_dim)];
       for (int64_t ch = 0; ch < conv_dim; ++ch) xt[ch] += tap[ch] * in[ch];
     }
-    for (int64_t ch = 0; ch < conv_dim; ++ch) xt[ch] = cpu::silu(xt[ch]);
+    cpu::silu_in_place(xt, conv_dim);
   }
   if (record_window) {
     DeltaNetWindow& win = state.window;
@@ -216,7 +198,7 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
       float* oh = &o[static_cast<size_t>((t * Hv + hv) * Dv)];
       const float* zh = &z[static_cast<size_t>((t * Hv + hv) * Dv)];
       cpu::rms_norm(oh, w.norm.data(), eps, Dv, oh);
-      for (int64_t d = 0; d < Dv; ++d) oh[d] *= cpu::silu(zh[d]);
+      cpu::swiglu(zh, oh, Dv, oh);
     }
   }
   cpu::matmul(w.out_proj, o.data(), T, out);

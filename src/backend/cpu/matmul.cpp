@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -131,6 +132,60 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
   }
 }
 
+// AVX-512, bf16: 32 weights per 64-byte load, widened without a shuffle. As 16 32-bit lanes, lane j of a
+// load at k holds w[k + 2j] in its low half and w[k + 2j + 1] in its high half, so a 16-bit left shift
+// gives the even weights as float32 and masking off the low half the odd ones (two cheap ALU ops per 32
+// weights, against a lane-crossing vpmovzxwd (port 5 only) plus a shift per 16 in rows_avx512). The
+// activations come deinterleaved to match (deinterleave_for_bf16): per 32-block, the 16 even elements,
+// then the 16 odd ones. Why: with 2-4 activation rows the widening, not the FMAs, filled the vector ports
+// (BENCHMARKS.md, session 8): a verify row now costs little more than its FMAs.
+// Order per (m, o), whatever NR is: blocks of 64 (acc0 += even(w[k..k+32)) x, acc1 += odd(...), acc2 and
+// acc3 the same for k + 32), one block of 32 into acc0/acc1, (acc0 + acc1) + (acc2 + acc3), the
+// horizontal sum, then the scalar tail in order.
+template <int NR>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512_bf16(const WeightMatrix& w,
+                                                                               const Activations& xs,
+                                                                               const float* x, int64_t m0,
+                                                                               int64_t o_begin, int64_t o_end,
+                                                                               float* y) {
+  const int64_t k_dim = w.cols;
+  const int64_t k64 = k_dim / 64 * 64, k32 = k_dim / 32 * 32;
+  const auto* weights = static_cast<const uint16_t*>(w.data);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const uint16_t* row = weights + o * k_dim;
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k64; k += 64) {
+      prefetch_ahead<128>(row + k);
+      const __m512i p0 = _mm512_loadu_si512(row + k), p1 = _mm512_loadu_si512(row + k + 32);
+      const __m512 wv[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(p0, 16)),
+                            _mm512_castsi512_ps(_mm512_and_si512(p0, high_half)),
+                            _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16)),
+                            _mm512_castsi512_ps(_mm512_and_si512(p1, high_half))};
+      for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < 4; ++j)
+          acc[r][j] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k + 16 * j), wv[j], acc[r][j]);
+    }
+    if (k32 > k64) {
+      const __m512i p0 = _mm512_loadu_si512(row + k64);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16)),
+                   odd = _mm512_castsi512_ps(_mm512_and_si512(p0, high_half));
+      for (int r = 0; r < NR; ++r) {
+        acc[r][0] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k64), even, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k64 + 16), odd, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      float s = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+      for (int64_t k = k32; k < k_dim; ++k) s += x[(m0 + r) * k_dim + k] * bf16_to_f32(row[k]);
+      y[(m0 + r) * w.rows + o] = s;
+    }
+  }
+}
+
 // AVX2 + FMA (+F16C): 8 lanes, blocks of 32 (k16: whole blocks of 16 for the tail block).
 template <WeightType T>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* base, int64_t index) {
@@ -210,7 +265,22 @@ void permute_for_bf16(const float* in, int64_t k_dim, float* out) {
   std::memcpy(out + k16, in + k16, static_cast<size_t>(k_dim - k16) * sizeof(float));
 }
 
-Activations prepare_activations(const float* x, int64_t m, int64_t k_dim, bool permute,
+// The activation order rows_avx512_bf16 needs: per whole block of 32, the even elements x[0, 2, .., 30],
+// then the odd ones x[1, 3, .., 31] (the tail stays in order).
+void deinterleave_for_bf16(const float* in, int64_t k_dim, float* out) {
+  const int64_t k32 = k_dim / 32 * 32;
+  for (int64_t k = 0; k < k32; k += 32)
+    for (int64_t j = 0; j < 16; ++j) {
+      out[k + j] = in[k + 2 * j];
+      out[k + 16 + j] = in[k + 2 * j + 1];
+    }
+  std::memcpy(out + k32, in + k32, static_cast<size_t>(k_dim - k32) * sizeof(float));
+}
+
+// How a kernel family reads its activation copy.
+enum class ActivationOrder { kInOrder, kAvx2Bf16, kEvenOdd32 };
+
+Activations prepare_activations(const float* x, int64_t m, int64_t k_dim, ActivationOrder order,
                                 std::vector<float>& buffer) {
   Activations a;
   a.stride = (k_dim + 15) / 16 * 16 + 16;
@@ -219,10 +289,17 @@ Activations prepare_activations(const float* x, int64_t m, int64_t k_dim, bool p
   a.data = buffer.data() + ((64 - address % 64) % 64) / sizeof(float);
   for (int64_t r = 0; r < m; ++r) {
     float* out = const_cast<float*>(a.row(r));
-    if (permute)
-      permute_for_bf16(x + r * k_dim, k_dim, out);
-    else
-      std::memcpy(out, x + r * k_dim, static_cast<size_t>(k_dim) * sizeof(float));
+    switch (order) {
+      case ActivationOrder::kAvx2Bf16:
+        permute_for_bf16(x + r * k_dim, k_dim, out);
+        break;
+      case ActivationOrder::kEvenOdd32:
+        deinterleave_for_bf16(x + r * k_dim, k_dim, out);
+        break;
+      case ActivationOrder::kInOrder:
+        std::memcpy(out, x + r * k_dim, static_cast<size_t>(k_dim) * sizeof(float));
+        break;
+    }
   }
   return a;
 }
@@ -665,17 +742,27 @@ using RowsFn = void (*)(const WeightMatrix&, const Activations&, const float*, i
 struct KernelSet {
   RowsFn rows[4];
   int64_t max_rows;
-  bool permuted_x;  // the kernels read x permuted by permute_for_bf16 (else a copy in order)
+  ActivationOrder order;  // how the kernels read their activation copy
 };
 
 template <WeightType T>
 const KernelSet& kernels_for(MatmulKernel p) {
-  static const KernelSet avx512 = {
-      {rows_avx512<T, 1>, rows_avx512<T, 2>, rows_avx512<T, 3>, rows_avx512<T, 4>}, 4, false};
+  static const KernelSet avx512 =
+      T == WeightType::kBF16
+          ? KernelSet{{rows_avx512_bf16<1>, rows_avx512_bf16<2>, rows_avx512_bf16<3>, rows_avx512_bf16<4>},
+                      4,
+                      ActivationOrder::kEvenOdd32}
+          : KernelSet{{rows_avx512<T, 1>, rows_avx512<T, 2>, rows_avx512<T, 3>, rows_avx512<T, 4>},
+                      4,
+                      ActivationOrder::kInOrder};
   static const KernelSet avx2 = {
-      {rows_avx2<T, 1>, rows_avx2<T, 2>, rows_avx2<T, 3>, rows_avx2<T, 3>}, 3, T == WeightType::kBF16};
+      {rows_avx2<T, 1>, rows_avx2<T, 2>, rows_avx2<T, 3>, rows_avx2<T, 3>},
+      3,
+      T == WeightType::kBF16 ? ActivationOrder::kAvx2Bf16 : ActivationOrder::kInOrder};
   static const KernelSet scalar = {
-      {rows_scalar<T, 1>, rows_scalar<T, 2>, rows_scalar<T, 3>, rows_scalar<T, 4>}, 4, false};
+      {rows_scalar<T, 1>, rows_scalar<T, 2>, rows_scalar<T, 3>, rows_scalar<T, 4>},
+      4,
+      ActivationOrder::kInOrder};
   switch (p) {
     case MatmulKernel::kAmx:  // the AMX family's kernels for weights the tiles do not serve
     case MatmulKernel::kAvx512:
@@ -763,6 +850,24 @@ bool amx_prefill() {
   return amx;
 }
 
+// Output rows per unit of work handed to a thread.
+constexpr int64_t kChunkRows = 16;
+// Products (rows x cols x M) below which a matmul runs on the calling thread alone.
+constexpr int64_t kParallelMinProducts = int64_t{1} << 15;
+
+// Output features [o0, o1) of all m rows with the kernels of `set`.
+void rows_of(const KernelSet& set, const WeightMatrix& w, const Activations& xs, const float* x, int64_t m,
+             int64_t o0, int64_t o1, float* y) {
+  if (m <= set.max_rows) {
+    set.rows[m - 1](w, xs, x, 0, o0, o1, y);
+    return;
+  }
+  // More rows than one call holds: row blocks per output feature, so the weight row is re-read from L1.
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t m0 = 0; m0 < m; m0 += set.max_rows)
+      set.rows[std::min(set.max_rows, m - m0) - 1](w, xs, x, m0, o, o + 1, y);
+}
+
 void matmul_with(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKernel kernel,
                  bool amx_gemm) {
   if (m <= 0 || w.rows <= 0) return;
@@ -790,28 +895,56 @@ void matmul_with(const WeightMatrix& w, const float* x, int64_t m, float* y, Mat
   }
   const KernelSet& set = select_kernels(w.type, kernel);
   std::vector<float> buffer;
-  const Activations xs = prepare_activations(x, m, w.cols, set.permuted_x, buffer);
+  const Activations xs = prepare_activations(x, m, w.cols, set.order, buffer);
   // Threads take contiguous ranges of output features (schedule static), so each streams one part of the
   // matrix; chunks of 16 rows keep the calls few.
-  constexpr int64_t kChunk = 16;
-  const int64_t chunks = (w.rows + kChunk - 1) / kChunk;
+  const int64_t chunks = (w.rows + kChunkRows - 1) / kChunkRows;
   // Small products are not worth waking the thread team.
-  const bool parallel = chunks > 1 && w.rows * w.cols * m >= (int64_t{1} << 15);
+  const bool parallel = chunks > 1 && w.rows * w.cols * m >= kParallelMinProducts;
 #pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t o0 = c * kChunk, o1 = std::min(w.rows, o0 + kChunk);
-    if (m <= set.max_rows) {
-      set.rows[m - 1](w, xs, x, 0, o0, o1, y);
-      continue;
-    }
-    // More rows than one call holds: row blocks per output feature, so the weight row is re-read from L1.
-    for (int64_t o = o0; o < o1; ++o)
-      for (int64_t m0 = 0; m0 < m; m0 += set.max_rows)
-        set.rows[std::min(set.max_rows, m - m0) - 1](w, xs, x, m0, o, o + 1, y);
-  }
+  for (int64_t c = 0; c < chunks; ++c)
+    rows_of(set, w, xs, x, m, c * kChunkRows, std::min(w.rows, (c + 1) * kChunkRows), y);
 }
 
 }  // namespace
+
+void matmul_shared_input(std::span<const MatmulTarget> targets, const float* x, int64_t m) {
+  if (targets.empty() || m <= 0) return;
+  const MatmulKernel kernel = path();
+  const WeightMatrix& first = *targets[0].w;
+  // One team for all of them where every product takes the small-M kernels of one set (the AMX family's
+  // tiles and the affine kernels keep their own calls).
+  bool shared = m < kGemmMinRows && kernel != MatmulKernel::kAmx && first.cols > 0;
+  for (const MatmulTarget& t : targets)
+    shared = shared && t.w->type == first.type && t.w->type != WeightType::kAffine && t.w->cols == first.cols;
+  if (!shared) {
+    for (const MatmulTarget& t : targets) matmul(*t.w, x, m, t.y);
+    return;
+  }
+  const KernelSet& set = select_kernels(first.type, kernel);
+  std::vector<float> buffer;
+  const Activations xs = prepare_activations(x, m, first.cols, set.order, buffer);
+  // Chunks of 16 output rows over the matrices in turn; equal columns and type make every whole chunk the
+  // same number of bytes, so a static split balances the threads.
+  struct Chunk {
+    const MatmulTarget* target;
+    int64_t o0, o1;
+  };
+  std::vector<Chunk> chunks;
+  int64_t rows = 0;
+  for (const MatmulTarget& t : targets) {
+    rows += t.w->rows;
+    for (int64_t o0 = 0; o0 < t.w->rows; o0 += kChunkRows)
+      chunks.push_back({&t, o0, std::min(t.w->rows, o0 + kChunkRows)});
+  }
+  const auto n = static_cast<int64_t>(chunks.size());
+  const bool parallel = n > 1 && rows * first.cols * m >= kParallelMinProducts;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t c = 0; c < n; ++c) {
+    const Chunk& chunk = chunks[static_cast<size_t>(c)];
+    rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
+  }
+}
 
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   matmul_with(w, x, m, y, path(), amx_prefill());

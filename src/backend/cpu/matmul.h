@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 namespace mtpx::cpu {
 
@@ -50,6 +51,19 @@ int64_t weight_bytes(const WeightMatrix& w);
 // y[m, o] = sum_k x[m, k] * W[o, k]   for m < M, o < W.rows.
 // x: [M, W.cols] float32 row-major; y: [M, W.rows] float32 row-major (must not alias x).
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y);
+
+// One product of a matmul_shared_input() call: y = x W^T.
+struct MatmulTarget {
+  const WeightMatrix* w;
+  float* y;
+};
+
+// matmul() of several matrices with the same input x ([M, cols]; every W.cols equal): each y is
+// bit-identical to what matmul() gives. For decode and verify windows one thread team splits the output
+// features of all the matrices at once, instead of one team per matrix: a small matrix (the shipped
+// model's 128 KiB projections) split on its own barely gained from a second thread (each thread's share
+// starts a new stream from L3), and every team costs a start and a join.
+void matmul_shared_input(std::span<const MatmulTarget> targets, const float* x, int64_t m);
 
 // The SIMD families of the small-M kernels. matmul() uses the one simd_path() names; tests run every one
 // this CPU supports (each is batch-invariant on its own; they differ from one another in the last bits).

@@ -19,8 +19,13 @@ inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 // log(1 + e^x) as torch.nn.functional.softplus (threshold 20: linear above).
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
-// out[i] = silu(gate[i]) * up[i]
+// Elementwise activations over rows, vectorized (a polynomial e^x within about 1e-7 relative error of
+// std::exp, instead of one libm call per element):
+// swiglu: out[i] = silu(gate[i]) * up[i];  silu_in_place: x[i] = silu(x[i]);  mul_sigmoid: x[i] *=
+// sigmoid(gate[i]).
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
+void silu_in_place(float* x, int64_t n);
+void mul_sigmoid(const float* gate, int64_t n, float* x);
 
 // x[i] += y[i]
 void add_inplace(float* x, const float* y, int64_t n);
@@ -30,6 +35,13 @@ float dot(const float* a, const float* b, int64_t n);
 
 // y[i] += a * x[i]
 void axpy(float a, const float* x, int64_t n, float* y);
+
+// One token of the gated delta rule for one head (spec §4.2), S [dk, dv] row-major, updated in place:
+//   S = decay S;  kv = k^T S;  delta = beta (v - kv);  S += k delta^T;  o = q^T S
+// in a fixed order (rows i = 0..dk-1 in turn, each a product and a sum per element, never fused), so a
+// token gives the same bits whether it runs alone or inside a verify window. scratch: 2 dv floats.
+void delta_rule_step(float* S, const float* q, const float* k, const float* v, float decay, float beta,
+                     int64_t dk, int64_t dv, float* o, float* scratch);
 
 // Attention over a KV cache, one query at a time. rows[j] = rows + j * stride.
 // dot_rows:          out[j] = scale * (q . rows[j]) for j < n;

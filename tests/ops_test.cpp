@@ -1,0 +1,116 @@
+// The CPU's elementwise activations and the delta-rule step against plain double-precision references.
+#include "backend/cpu/ops.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace mtpx::cpu {
+namespace {
+
+double silu_ref(double x) { return x / (1.0 + std::exp(-x)); }
+double sigmoid_ref(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// Inputs over the range activations see, the saturated ends and the exact edges of the clamp.
+std::vector<float> activation_inputs() {
+  std::vector<float> xs = {0.0f,  -0.0f,  1e-30f, -1e-30f, 1e-7f, 0.5f,   -0.5f, 20.0f, -20.0f, 86.9f, -86.9f,
+                           87.0f, -87.0f, 88.0f,  -88.0f,  90.0f, -90.0f, 1e4f,  -1e4f, 3e38f,  -3e38f};
+  std::mt19937 rng(11);
+  std::normal_distribution<float> wide(0.0f, 6.0f);
+  for (int i = 0; i < 3000; ++i) xs.push_back(wide(rng));
+  return xs;
+}
+
+TEST(Activations, MatchDoubleReference) {
+  const std::vector<float> a = activation_inputs();
+  std::vector<float> b(a.size());
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& v : b) v = normal(rng);
+  const auto n = static_cast<int64_t>(a.size());
+  std::vector<float> swiglu_out(a.size()), silu_out = a, gated = b;
+  swiglu(a.data(), b.data(), n, swiglu_out.data());
+  silu_in_place(silu_out.data(), n);
+  mul_sigmoid(a.data(), n, gated.data());
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = a[i];
+    // The polynomial e^x is within ~1e-7 relative; the clamp at [-87, 88] changes sigmoid(x) only where it
+    // is below e^-87 (absolute 1e-38).
+    const double silu = silu_ref(x), sig = sigmoid_ref(x);
+    EXPECT_NEAR(silu_out[i], silu, 1e-6 * std::abs(silu) + 1e-37) << "silu(" << x << ")";
+    EXPECT_NEAR(swiglu_out[i], silu * b[i], 1e-6 * std::abs(silu * b[i]) + 1e-37) << "swiglu(" << x << ")";
+    EXPECT_NEAR(gated[i], b[i] * sig, 1e-6 * std::abs(b[i] * sig) + 1e-37) << "sigmoid(" << x << ")";
+  }
+}
+
+TEST(Activations, NanPropagates) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t n : {1, 8, 9}) {  // the scalar form, a whole vector, a vector and a tail
+    std::vector<float> a(static_cast<size_t>(n), nan), b(static_cast<size_t>(n), 1.0f), out(a.size());
+    swiglu(a.data(), b.data(), n, out.data());
+    for (float v : out) EXPECT_TRUE(std::isnan(v));
+    mul_sigmoid(a.data(), n, b.data());
+    for (float v : b) EXPECT_TRUE(std::isnan(v));
+  }
+}
+
+// An element's result does not depend on where it falls (vector lane or scalar tail) or on n.
+TEST(Activations, SameBitsWhateverTheLength) {
+  const std::vector<float> a = activation_inputs();
+  const auto total = static_cast<int64_t>(a.size());
+  std::vector<float> whole = a;
+  silu_in_place(whole.data(), total);
+  for (int64_t start : {0, 3, 7})
+    for (int64_t n : {1, 5, 8, 13, 31}) {
+      std::vector<float> part(a.begin() + start, a.begin() + start + n);
+      silu_in_place(part.data(), n);
+      EXPECT_EQ(0, std::memcmp(part.data(), &whole[static_cast<size_t>(start)], part.size() * sizeof(float)))
+          << "start " << start << " n " << n;
+    }
+}
+
+// One token of the gated delta rule (spec §4.2) in double precision.
+void delta_rule_ref(std::vector<double>& S, const std::vector<float>& q, const std::vector<float>& k,
+                    const std::vector<float>& v, double decay, double beta, int64_t dk, int64_t dv,
+                    std::vector<double>& o) {
+  std::vector<double> kv(static_cast<size_t>(dv), 0.0);
+  for (auto& s : S) s *= decay;
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t j = 0; j < dv; ++j) kv[j] += k[i] * S[i * dv + j];
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t j = 0; j < dv; ++j) S[i * dv + j] += k[i] * (v[j] - kv[j]) * beta;
+  o.assign(static_cast<size_t>(dv), 0.0);
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t j = 0; j < dv; ++j) o[j] += q[i] * S[i * dv + j];
+}
+
+TEST(DeltaRuleStep, MatchesDoubleReferenceOverTokens) {
+  for (auto [dk, dv] : {std::pair<int64_t, int64_t>{64, 64}, {16, 48}, {5, 7}, {128, 128}}) {
+    std::mt19937 rng(static_cast<unsigned>(dk * 131 + dv));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<float> unit(0.05f, 0.99f);
+    std::vector<float> S(static_cast<size_t>(dk * dv), 0.0f), o(static_cast<size_t>(dv)),
+        scratch(static_cast<size_t>(2 * dv));
+    std::vector<double> S_ref(S.size(), 0.0), o_ref;
+    for (int token = 0; token < 6; ++token) {
+      std::vector<float> q(static_cast<size_t>(dk)), k(static_cast<size_t>(dk)), v(static_cast<size_t>(dv));
+      for (float& x : q) x = normal(rng) * 0.2f;
+      for (float& x : k) x = normal(rng) * 0.2f;
+      for (float& x : v) x = normal(rng);
+      const float decay = unit(rng), beta = unit(rng);
+      delta_rule_step(S.data(), q.data(), k.data(), v.data(), decay, beta, dk, dv, o.data(), scratch.data());
+      delta_rule_ref(S_ref, q, k, v, decay, beta, dk, dv, o_ref);
+      for (size_t j = 0; j < o.size(); ++j)
+        ASSERT_NEAR(o[j], o_ref[j], 1e-4) << dk << "x" << dv << " t" << token;
+      for (size_t j = 0; j < S.size(); ++j)
+        ASSERT_NEAR(S[j], S_ref[j], 1e-4) << dk << "x" << dv << " t" << token;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mtpx::cpu
