@@ -51,7 +51,9 @@ inline float exp_clamped(float x) {
   float p = kExpPoly[0];
   for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = (p * (r * r) + r) + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  // (A NaN n converts to nothing defined in C++: 2^0 then, and p is NaN already.)
+  const int32_t exponent = n == n ? static_cast<int32_t>(n) : 0;
+  return p * std::bit_cast<float>((exponent + 127) << 23);
 }
 
 __attribute__((target("avx2"))) inline __m256 exp_clamped8(__m256 x) {
