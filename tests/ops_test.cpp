@@ -102,7 +102,22 @@ TEST(DeltaRuleStep, MatchesDoubleReferenceOverTokens) {
       for (float& x : k) x = normal(rng) * 0.2f;
       for (float& x : v) x = normal(rng);
       const float decay = unit(rng), beta = unit(rng);
-      delta_rule_step(S.data(), q.data(), k.data(), v.data(), decay, beta, dk, dv, o.data(), scratch.data());
+      // In place on even tokens, out of place (to a copy, then back) on odd ones: the same bits either way.
+      if (token % 2 == 0) {
+        delta_rule_step(S.data(), S.data(), q.data(), k.data(), v.data(), decay, beta, dk, dv, o.data(),
+                        scratch.data());
+      } else {
+        std::vector<float> before = S, after(S.size(), NAN), in_place = S, o_in_place(o.size());
+        delta_rule_step(before.data(), after.data(), q.data(), k.data(), v.data(), decay, beta, dk, dv,
+                        o.data(), scratch.data());
+        delta_rule_step(in_place.data(), in_place.data(), q.data(), k.data(), v.data(), decay, beta, dk, dv,
+                        o_in_place.data(), scratch.data());
+        ASSERT_EQ(0, std::memcmp(after.data(), in_place.data(), S.size() * sizeof(float)));
+        ASSERT_EQ(0, std::memcmp(o.data(), o_in_place.data(), o.size() * sizeof(float)));
+        ASSERT_EQ(0,
+                  std::memcmp(before.data(), S.data(), S.size() * sizeof(float)));  // the input is untouched
+        S = after;
+      }
       delta_rule_ref(S_ref, q, k, v, decay, beta, dk, dv, o_ref);
       for (size_t j = 0; j < o.size(); ++j)
         ASSERT_NEAR(o[j], o_ref[j], 1e-4) << dk << "x" << dv << " t" << token;

@@ -13,11 +13,14 @@ namespace mtpx {
 // §4.2, per token:  S = e^g S;  kv = k^T S;  delta = beta (v - kv);  S += k delta^T;  o = q^T S.
 void delta_rule_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           int64_t T, int64_t dk, int64_t dv, float* S, float* o, int64_t qk_stride,
-                          int64_t v_stride, int64_t o_stride) {
+                          int64_t v_stride, int64_t o_stride, float* const* snapshots) {
   std::vector<float> scratch(static_cast<size_t>(2 * dv));
-  for (int64_t t = 0; t < T; ++t)
-    cpu::delta_rule_step(S, q + t * qk_stride, k + t * qk_stride, v + t * v_stride, std::exp(g[t]), beta[t],
-                         dk, dv, o + t * o_stride, scratch.data());
+  for (int64_t t = 0; t < T; ++t) {
+    const float* in = snapshots == nullptr || t == 0 ? S : snapshots[t - 1];
+    float* out = snapshots == nullptr ? S : snapshots[t];
+    cpu::delta_rule_step(in, out, q + t * qk_stride, k + t * qk_stride, v + t * v_stride, std::exp(g[t]),
+                         beta[t], dk, dv, o + t * o_stride, scratch.data());
+  }
 }
 
 // §4.3, chunks of C (the last one may be shorter: n rows). Within a chunk with cumulative log-decay G and
@@ -128,7 +131,6 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
   if (record_window) {
     DeltaNetWindow& win = state.window;
     win.tokens = T;
-    win.ssm_before = state.ssm;
     win.conv_before = state.conv;
     win.qkv = qkv;
   }
@@ -166,9 +168,11 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
       form == DeltaRuleForm::kChunked || (form == DeltaRuleForm::kAuto && T >= kDeltaNetChunkedMinTokens);
   if (record_window) {
     if (chunked) invalid_input("a recorded (rollback) window must use the recurrent form: {} tokens", T);
-    state.window.x = x;
-    state.window.g = g;
-    state.window.beta = beta;
+    // The state before the window stays in its buffer (a swap, no copy); token t's state goes to slot t.
+    DeltaNetWindow& win = state.window;
+    win.ssm_before.swap(state.ssm);
+    if (static_cast<int64_t>(win.ssm_after.size()) < T) win.ssm_after.resize(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) win.ssm_after[static_cast<size_t>(t)].resize(win.ssm_before.size());
   }
   std::vector<float> o(static_cast<size_t>(T * Hv * Dv));  // [T, Hv, Dv]
 #pragma omp parallel for schedule(static) if (Hv > 1 && T * Dk * Dv * Hv >= (1 << 15))
@@ -182,13 +186,23 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
     const float* q = &x[static_cast<size_t>(hk * Dk)];
     const float* k = &x[static_cast<size_t>(Hk * Dk + hk * Dk)];
     const float* v = &x[static_cast<size_t>(2 * Hk * Dk + hv * Dv)];
-    float* S = &state.ssm[static_cast<size_t>(hv * Dk * Dv)];
+    const size_t offset = static_cast<size_t>(hv * Dk * Dv);
     float* oh = &o[static_cast<size_t>(hv * Dv)];
-    if (chunked)
-      delta_rule_chunked(q, k, v, gh.data(), bh.data(), T, Dk, Dv, S, oh, conv_dim, conv_dim, Hv * Dv);
-    else
-      delta_rule_recurrent(q, k, v, gh.data(), bh.data(), T, Dk, Dv, S, oh, conv_dim, conv_dim, Hv * Dv);
+    if (record_window) {
+      std::vector<float*> snapshots(static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t)
+        snapshots[static_cast<size_t>(t)] = &state.window.ssm_after[static_cast<size_t>(t)][offset];
+      delta_rule_recurrent(q, k, v, gh.data(), bh.data(), T, Dk, Dv, &state.window.ssm_before[offset], oh,
+                           conv_dim, conv_dim, Hv * Dv, snapshots.data());
+    } else if (chunked) {
+      delta_rule_chunked(q, k, v, gh.data(), bh.data(), T, Dk, Dv, &state.ssm[offset], oh, conv_dim, conv_dim,
+                         Hv * Dv);
+    } else {
+      delta_rule_recurrent(q, k, v, gh.data(), bh.data(), T, Dk, Dv, &state.ssm[offset], oh, conv_dim,
+                           conv_dim, Hv * Dv);
+    }
   }
+  if (record_window) state.ssm.swap(state.window.ssm_after[static_cast<size_t>(T - 1)]);
 
   // Gated RMSNorm per value head (plain weight, norm before gate): o = norm(o) * w * silu(z) (§4.4).
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -209,25 +223,10 @@ void deltanet_rollback(const ModelConfig& c, DeltaNetState& state, int64_t keep)
   if (keep < 0 || keep > win.tokens)
     invalid_input("rollback to {} tokens of a {}-token window", keep, win.tokens);
   if (keep == win.tokens) return;  // the state is already the one after the whole window
-  const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
-  const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const int64_t conv_dim = c.conv_dim(), Kc = c.linear_conv_kernel_dim;
-  const int64_t heads_per_key = Hv / Hk;
-  state.ssm = win.ssm_before;
-  // Replay: the same per-token recurrence, so the result is bit-identical to running `keep` tokens.
-  std::vector<float> scratch_o(static_cast<size_t>(keep * Dv));
-  for (int64_t hv = 0; hv < Hv; ++hv) {
-    const int64_t hk = hv / heads_per_key;
-    std::vector<float> gh(static_cast<size_t>(keep)), bh(static_cast<size_t>(keep));
-    for (int64_t t = 0; t < keep; ++t) {
-      gh[static_cast<size_t>(t)] = win.g[static_cast<size_t>(t * Hv + hv)];
-      bh[static_cast<size_t>(t)] = win.beta[static_cast<size_t>(t * Hv + hv)];
-    }
-    delta_rule_recurrent(&win.x[static_cast<size_t>(hk * Dk)], &win.x[static_cast<size_t>(Hk * Dk + hk * Dk)],
-                         &win.x[static_cast<size_t>(2 * Hk * Dk + hv * Dv)], gh.data(), bh.data(), keep, Dk,
-                         Dv, &state.ssm[static_cast<size_t>(hv * Dk * Dv)], scratch_o.data(), conv_dim,
-                         conv_dim, Dv);
-  }
+  // The state after `keep` tokens, exactly as the window's recurrence left it. (The slot given up takes the
+  // window's final state; a later rollback to fewer tokens reads other slots.)
+  state.ssm.swap(keep == 0 ? win.ssm_before : win.ssm_after[static_cast<size_t>(keep - 1)]);
   // Conv state: the last Kc-1 rows of [conv_before ; qkv rows 0..keep-1].
   for (int64_t r = 0; r < Kc - 1; ++r) {
     const int64_t src = keep + r;  // index into the concatenation

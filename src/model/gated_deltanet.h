@@ -26,16 +26,17 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& config,
                             DeltaRuleForm form = DeltaRuleForm::kAuto, bool record_window = false);
 
 // Returns the state to what it was after the first `keep` tokens of the recorded window
-// (0 <= keep <= window.tokens): restore the pre-window state, replay the kept tokens' recurrence, and
-// rebuild the conv state from the kept pre-conv rows.
+// (0 <= keep <= window.tokens): the recurrent state that token's snapshot holds, and the conv state
+// rebuilt from the kept pre-conv rows.
 void deltanet_rollback(const ModelConfig& config, DeltaNetState& state, int64_t keep);
 
 // The gated delta rule for one value head over T tokens, both forms (exposed for tests).
 // q, k: [T, Dk] (normalized, q scaled), v: [T, Dv], g: [T] log-decay, beta: [T]; state: [Dk, Dv]
-// (updated); o: [T, Dv].
+// (updated); o: [T, Dv]. With `snapshots` (recurrent form), `state` is only read and token t's state is
+// written to snapshots[t] ([Dk, Dv] each).
 void delta_rule_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta,
                           int64_t t_count, int64_t dk, int64_t dv, float* state, float* o, int64_t qk_stride,
-                          int64_t v_stride, int64_t o_stride);
+                          int64_t v_stride, int64_t o_stride, float* const* snapshots = nullptr);
 void delta_rule_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
                         int64_t t_count, int64_t dk, int64_t dv, float* state, float* o, int64_t qk_stride,
                         int64_t v_stride, int64_t o_stride);

@@ -18,18 +18,20 @@ struct KvCache {
   std::vector<float> values;  // [positions, nkv, D]
 };
 
-// What a recorded forward window keeps to roll back to any prefix of itself (spec §7, the replay
-// option): the state before the window and the window's per-token inputs. Rolling back restores the
-// state and re-applies the kept tokens with the same recurrence, so the result is bit-identical to having
-// run only those tokens. Costs one state copy per window instead of one per position.
+// What a recorded forward window keeps to roll back to any prefix of itself (spec §7, the snapshot
+// option): the recurrent state before the window and after each of its tokens, and the pre-conv rows. The
+// recurrence writes each token's state to its own buffer (out of place, the same arithmetic), and buffers
+// change hands by swapping, so a window copies no state and a rollback replays nothing: it swaps the kept
+// snapshot in, bit-identical to having run only those tokens. (The replay this replaced cost a state copy
+// on each side and a second delta rule per kept token: a quarter of a two-row verify on the shipped model,
+// BENCHMARKS.md session 8.)
 struct DeltaNetWindow {
   int64_t tokens = 0;
-  std::vector<float> ssm_before;   // [Hv, Dk, Dv]
-  std::vector<float> conv_before;  // [Kc-1, conv_dim]
-  std::vector<float> qkv;          // [T, conv_dim] pre-conv rows (the conv state is made of these)
-  std::vector<float> x;            // [T, conv_dim] post-conv, q/k normalized (the replay reads k and v)
-  std::vector<float> g;            // [T, Hv] log-decay
-  std::vector<float> beta;         // [T, Hv]
+  std::vector<float> ssm_before;              // [Hv, Dk, Dv] the state before the window
+  std::vector<std::vector<float>> ssm_after;  // [T][Hv, Dk, Dv] after token t; slot T-1 is swapped with the
+                                              // state itself at the end of the window (stale from then on)
+  std::vector<float> conv_before;             // [Kc-1, conv_dim]
+  std::vector<float> qkv;                     // [T, conv_dim] pre-conv rows (the conv state is made of these)
 };
 
 // Gated DeltaNet state of one linear-attention layer (§4.1, §4.2).

@@ -148,23 +148,25 @@ MTPX_MULTIVERSION void axpy(float a, const float* x, int64_t n, float* y) {
 // One call per head and token, with the row loops inlined: called once per 64-float row (three axpy
 // calls through the multiversion dispatch each), the same arithmetic took 8.5 us per layer and token on
 // the shipped model, a sixth of a decode step (BENCHMARKS.md, session 8).
-MTPX_MULTIVERSION void delta_rule_step(float* S, const float* q, const float* k, const float* v, float decay,
-                                       float beta, int64_t dk, int64_t dv, float* o, float* scratch) {
+MTPX_MULTIVERSION void delta_rule_step(const float* S_in, float* S_out, const float* q, const float* k,
+                                       const float* v, float decay, float beta, int64_t dk, int64_t dv,
+                                       float* o, float* scratch) {
   float* __restrict kv = scratch;
   float* __restrict delta = scratch + dv;
   for (int64_t j = 0; j < dv; ++j) kv[j] = 0.0f;
   for (int64_t i = 0; i < dk; ++i) {
-    float* __restrict row = S + i * dv;
+    const float* in = S_in + i * dv;
+    float* row = S_out + i * dv;
     const float ki = k[i];
     for (int64_t j = 0; j < dv; ++j) {
-      row[j] *= decay;
+      row[j] = in[j] * decay;
       kv[j] += ki * row[j];
     }
   }
   for (int64_t j = 0; j < dv; ++j) delta[j] = (v[j] - kv[j]) * beta;
   for (int64_t j = 0; j < dv; ++j) o[j] = 0.0f;
   for (int64_t i = 0; i < dk; ++i) {
-    float* __restrict row = S + i * dv;
+    float* row = S_out + i * dv;
     const float ki = k[i], qi = q[i];
     for (int64_t j = 0; j < dv; ++j) {
       row[j] += ki * delta[j];

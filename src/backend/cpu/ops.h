@@ -36,12 +36,13 @@ float dot(const float* a, const float* b, int64_t n);
 // y[i] += a * x[i]
 void axpy(float a, const float* x, int64_t n, float* y);
 
-// One token of the gated delta rule for one head (spec §4.2), S [dk, dv] row-major, updated in place:
-//   S = decay S;  kv = k^T S;  delta = beta (v - kv);  S += k delta^T;  o = q^T S
+// One token of the gated delta rule for one head (spec §4.2) on a state [dk, dv] row-major, from S_in to
+// S_out (the same array for an update in place, or another: a verify window keeps each token's state):
+//   S = decay S_in;  kv = k^T S;  delta = beta (v - kv);  S_out = S + k delta^T;  o = q^T S_out
 // in a fixed order (rows i = 0..dk-1 in turn, each a product and a sum per element, never fused), so a
 // token gives the same bits whether it runs alone or inside a verify window. scratch: 2 dv floats.
-void delta_rule_step(float* S, const float* q, const float* k, const float* v, float decay, float beta,
-                     int64_t dk, int64_t dv, float* o, float* scratch);
+void delta_rule_step(const float* S_in, float* S_out, const float* q, const float* k, const float* v,
+                     float decay, float beta, int64_t dk, int64_t dv, float* o, float* scratch);
 
 // Attention over a KV cache, one query at a time. rows[j] = rows + j * stride.
 // dot_rows:          out[j] = scale * (q . rows[j]) for j < n;
