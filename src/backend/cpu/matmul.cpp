@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -105,6 +106,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
                                                                           float* y) {
   const int64_t k_dim = w.cols;
   const int64_t k64 = k_dim / 64 * 64, k16 = k_dim / 16 * 16;
+  const float* xr[NR];  // each activation row's start (see rows_avx512_bf16)
+  for (int r = 0; r < NR; ++r) xr[r] = xs.row(m0 + r);
   for (int64_t o = o_begin; o < o_end; ++o) {
     const int64_t row = o * k_dim;
     __m512 acc[NR][4];
@@ -116,18 +119,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512(const 
       for (int j = 0; j < 4; ++j) wv[j] = load16<T>(w.data, row + k + 16 * j);
       for (int r = 0; r < NR; ++r)
         for (int j = 0; j < 4; ++j)
-          acc[r][j] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k + 16 * j), wv[j], acc[r][j]);
+          acc[r][j] = _mm512_fmadd_ps(_mm512_load_ps(xr[r] + k + 16 * j), wv[j], acc[r][j]);
     }
     for (int64_t k = k64, j = 0; k < k16; k += 16, ++j) {
       const __m512 wv = load16<T>(w.data, row + k);
-      for (int r = 0; r < NR; ++r)
-        acc[r][j] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k), wv, acc[r][j]);
+      for (int r = 0; r < NR; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_load_ps(xr[r] + k), wv, acc[r][j]);
     }
-    for (int r = 0; r < NR; ++r) {
-      float s = _mm512_reduce_add_ps(
+    float sums[NR];  // (the vector sums in a loop of their own: see rows_avx512_bf16)
+    for (int r = 0; r < NR; ++r)
+      sums[r] = _mm512_reduce_add_ps(
           _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
-      for (int64_t k = k16; k < k_dim; ++k) s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, row + k);
-      y[(m0 + r) * w.rows + o] = s;
+    for (int r = 0; r < NR; ++r) {
+      for (int64_t k = k16; k < k_dim; ++k)
+        sums[r] += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, row + k);
+      y[(m0 + r) * w.rows + o] = sums[r];
     }
   }
 }
@@ -152,6 +157,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512_bf16(c
   const int64_t k64 = k_dim / 64 * 64, k32 = k_dim / 32 * 32;
   const auto* weights = static_cast<const uint16_t*>(w.data);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  // Each activation row's start, hoisted: indexing xs.row(m0 + r) inside the loop cost address arithmetic
+  // per FMA; two rows of 256 x 256 products from L2 went from 22 to 27 GB/s (BENCHMARKS.md, session 8).
+  const float* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = xs.row(m0 + r);
   for (int64_t o = o_begin; o < o_end; ++o) {
     const uint16_t* row = weights + o * k_dim;
     __m512 acc[NR][4];
@@ -166,22 +175,26 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void rows_avx512_bf16(c
                             _mm512_castsi512_ps(_mm512_and_si512(p1, high_half))};
       for (int r = 0; r < NR; ++r)
         for (int j = 0; j < 4; ++j)
-          acc[r][j] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k + 16 * j), wv[j], acc[r][j]);
+          acc[r][j] = _mm512_fmadd_ps(_mm512_load_ps(xr[r] + k + 16 * j), wv[j], acc[r][j]);
     }
     if (k32 > k64) {
       const __m512i p0 = _mm512_loadu_si512(row + k64);
       const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16)),
                    odd = _mm512_castsi512_ps(_mm512_and_si512(p0, high_half));
       for (int r = 0; r < NR; ++r) {
-        acc[r][0] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k64), even, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(_mm512_load_ps(xs.row(m0 + r) + k64 + 16), odd, acc[r][1]);
+        acc[r][0] = _mm512_fmadd_ps(_mm512_load_ps(xr[r] + k64), even, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_load_ps(xr[r] + k64 + 16), odd, acc[r][1]);
       }
     }
-    for (int r = 0; r < NR; ++r) {
-      float s = _mm512_reduce_add_ps(
+    // The vector sums first, in a loop with nothing else in it: with the scalar tail's loop inside, GCC did
+    // not unroll over r and kept the accumulators in memory (stored and reloaded for every output).
+    float sums[NR];
+    for (int r = 0; r < NR; ++r)
+      sums[r] = _mm512_reduce_add_ps(
           _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
-      for (int64_t k = k32; k < k_dim; ++k) s += x[(m0 + r) * k_dim + k] * bf16_to_f32(row[k]);
-      y[(m0 + r) * w.rows + o] = s;
+    for (int r = 0; r < NR; ++r) {
+      for (int64_t k = k32; k < k_dim; ++k) sums[r] += x[(m0 + r) * k_dim + k] * bf16_to_f32(row[k]);
+      y[(m0 + r) * w.rows + o] = sums[r];
     }
   }
 }
@@ -222,6 +235,8 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const WeightMatrix& w, c
                                                         int64_t o_end, float* y) {
   const int64_t k_dim = w.cols;
   const int64_t k32 = k_dim / 32 * 32, k16 = k_dim / 16 * 16;
+  const float* xr[NR];  // each activation row's start (see rows_avx512_bf16)
+  for (int r = 0; r < NR; ++r) xr[r] = xs.row(m0 + r);
   for (int64_t o = o_begin; o < o_end; ++o) {
     const int64_t row = o * k_dim;
     __m256 acc[NR][4];
@@ -234,20 +249,23 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const WeightMatrix& w, c
       load16_pair<T>(w.data, row + k + 16, wv[2], wv[3]);
       for (int r = 0; r < NR; ++r)
         for (int j = 0; j < 4; ++j)
-          acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(xs.row(m0 + r) + k + 8 * j), wv[j], acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(xr[r] + k + 8 * j), wv[j], acc[r][j]);
     }
     if (k16 > k32) {
       __m256 wv[2];
       load16_pair<T>(w.data, row + k32, wv[0], wv[1]);
       for (int r = 0; r < NR; ++r)
         for (int j = 0; j < 2; ++j)
-          acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(xs.row(m0 + r) + k32 + 8 * j), wv[j], acc[r][j]);
+          acc[r][j] = _mm256_fmadd_ps(_mm256_load_ps(xr[r] + k32 + 8 * j), wv[j], acc[r][j]);
     }
-    for (int r = 0; r < NR; ++r) {
-      float s =
+    float sums[NR];  // (the vector sums in a loop of their own: see rows_avx512_bf16)
+    for (int r = 0; r < NR; ++r)
+      sums[r] =
           hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
-      for (int64_t k = k16; k < k_dim; ++k) s += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, row + k);
-      y[(m0 + r) * w.rows + o] = s;
+    for (int r = 0; r < NR; ++r) {
+      for (int64_t k = k16; k < k_dim; ++k)
+        sums[r] += x[(m0 + r) * k_dim + k] * load_scalar(w.data, T, row + k);
+      y[(m0 + r) * w.rows + o] = sums[r];
     }
   }
 }
@@ -266,27 +284,42 @@ void permute_for_bf16(const float* in, int64_t k_dim, float* out) {
 }
 
 // The activation order rows_avx512_bf16 needs: per whole block of 32, the even elements x[0, 2, .., 30],
-// then the odd ones x[1, 3, .., 31] (the tail stays in order).
-void deinterleave_for_bf16(const float* in, int64_t k_dim, float* out) {
+// then the odd ones x[1, 3, .., 31] (the tail stays in order). Two permutes per block of 32.
+__attribute__((target("avx512f"))) void deinterleave_for_bf16(const float* in, int64_t k_dim, float* out) {
   const int64_t k32 = k_dim / 32 * 32;
-  for (int64_t k = 0; k < k32; k += 32)
-    for (int64_t j = 0; j < 16; ++j) {
-      out[k + j] = in[k + 2 * j];
-      out[k + 16 + j] = in[k + 2 * j + 1];
-    }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int64_t k = 0; k < k32; k += 32) {
+    const __m512 a = _mm512_loadu_ps(in + k), b = _mm512_loadu_ps(in + k + 16);
+    _mm512_storeu_ps(out + k, _mm512_permutex2var_ps(a, even, b));
+    _mm512_storeu_ps(out + k + 16, _mm512_permutex2var_ps(a, odd, b));
+  }
   std::memcpy(out + k32, in + k32, static_cast<size_t>(k_dim - k32) * sizeof(float));
 }
 
 // How a kernel family reads its activation copy.
 enum class ActivationOrder { kInOrder, kAvx2Bf16, kEvenOdd32 };
 
+// Where prepare_activations puts its copy: a buffer on the caller's stack when the rows fit (decode and
+// verify windows of the shipped model's widths: no allocation per product), else on the heap; neither is
+// zeroed (every float a kernel reads is written).
+struct ActivationBuffer {
+  static constexpr int64_t kStackFloats = 4096;
+  alignas(64) float stack[kStackFloats];
+  std::unique_ptr<float[]> heap;
+  float* get(int64_t floats) {
+    if (floats <= kStackFloats) return stack;
+    heap.reset(new float[static_cast<size_t>(floats) + 16]);
+    const auto address = reinterpret_cast<uintptr_t>(heap.get());
+    return heap.get() + ((64 - address % 64) % 64) / sizeof(float);
+  }
+};
+
 Activations prepare_activations(const float* x, int64_t m, int64_t k_dim, ActivationOrder order,
-                                std::vector<float>& buffer) {
+                                ActivationBuffer& buffer) {
   Activations a;
   a.stride = (k_dim + 15) / 16 * 16 + 16;
-  buffer.resize(static_cast<size_t>(m * a.stride + 16));
-  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
-  a.data = buffer.data() + ((64 - address % 64) % 64) / sizeof(float);
+  a.data = buffer.get(m * a.stride);
   for (int64_t r = 0; r < m; ++r) {
     float* out = const_cast<float*>(a.row(r));
     switch (order) {
@@ -894,7 +927,7 @@ void matmul_with(const WeightMatrix& w, const float* x, int64_t m, float* y, Mat
     kernel = MatmulKernel::kAvx512;
   }
   const KernelSet& set = select_kernels(w.type, kernel);
-  std::vector<float> buffer;
+  ActivationBuffer buffer;
   const Activations xs = prepare_activations(x, m, w.cols, set.order, buffer);
   // Threads take contiguous ranges of output features (schedule static), so each streams one part of the
   // matrix; chunks of 16 rows keep the calls few.
@@ -922,7 +955,7 @@ void matmul_shared_input(std::span<const MatmulTarget> targets, const float* x, 
     return;
   }
   const KernelSet& set = select_kernels(first.type, kernel);
-  std::vector<float> buffer;
+  ActivationBuffer buffer;
   const Activations xs = prepare_activations(x, m, first.cols, set.order, buffer);
   // Chunks of 16 output rows over the matrices in turn; equal columns and type make every whole chunk the
   // same number of bytes, so a static split balances the threads.
