@@ -47,6 +47,24 @@ TEST(Activations, MatchDoubleReference) {
   }
 }
 
+TEST(Activations, ExpShiftedMatchesDoubleReference) {
+  std::vector<float> x = activation_inputs();
+  for (float shift : {0.0f, 3.5f, -20.0f}) {
+    std::vector<float> y = x;
+    exp_shifted_in_place(y.data(), static_cast<int64_t>(y.size()), shift);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double arg = static_cast<double>(x[i] - shift);  // the float difference, as the kernel forms it
+      if (arg > 88.0) {
+        EXPECT_TRUE(std::isinf(y[i])) << x[i] << " - " << shift;
+      } else if (arg >= -87.0) {
+        EXPECT_NEAR(y[i], std::exp(arg), 1e-6 * std::exp(arg)) << x[i] << " - " << shift;
+      } else {  // clamped: e^-87 (1.6e-38) where the true value is smaller still
+        EXPECT_LE(y[i], 1.7e-38f) << x[i] << " - " << shift;
+      }
+    }
+  }
+}
+
 TEST(Activations, NanPropagates) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t n : {1, 8, 9}) {  // the scalar form, a whole vector, a vector and a tail
@@ -124,6 +142,37 @@ TEST(DeltaRuleStep, MatchesDoubleReferenceOverTokens) {
       for (size_t j = 0; j < S.size(); ++j)
         ASSERT_NEAR(S[j], S_ref[j], 1e-4) << dk << "x" << dv << " t" << token;
     }
+  }
+}
+
+// Columns of the state are independent, so the first 64 columns of a state 80 wide (the plain loops) must
+// equal, bit for bit, a state 64 wide (the 512-bit kernel where the CPU has it): the step's bits do not
+// depend on which version runs.
+TEST(DeltaRuleStep, SameBitsWhateverTheWidth) {
+  const int64_t dk = 32, narrow = 64, wide = 80;
+  std::mt19937 rng(77);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  std::vector<float> S_narrow(static_cast<size_t>(dk * narrow)), S_wide(static_cast<size_t>(dk * wide));
+  for (int64_t i = 0; i < dk; ++i)
+    for (int64_t j = 0; j < wide; ++j) {
+      const float value = normal(rng);
+      S_wide[static_cast<size_t>(i * wide + j)] = value;
+      if (j < narrow) S_narrow[static_cast<size_t>(i * narrow + j)] = value;
+    }
+  std::vector<float> q(dk), k(dk), v(wide), o_narrow(narrow), o_wide(wide), scratch(2 * wide);
+  for (int token = 0; token < 4; ++token) {
+    for (float& x : q) x = normal(rng);
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    delta_rule_step(S_narrow.data(), S_narrow.data(), q.data(), k.data(), v.data(), 0.9f, 0.6f, dk, narrow,
+                    o_narrow.data(), scratch.data());
+    delta_rule_step(S_wide.data(), S_wide.data(), q.data(), k.data(), v.data(), 0.9f, 0.6f, dk, wide,
+                    o_wide.data(), scratch.data());
+    ASSERT_EQ(0, std::memcmp(o_narrow.data(), o_wide.data(), narrow * sizeof(float))) << "token " << token;
+    for (int64_t i = 0; i < dk; ++i)
+      ASSERT_EQ(0, std::memcmp(&S_narrow[static_cast<size_t>(i * narrow)],
+                               &S_wide[static_cast<size_t>(i * wide)], narrow * sizeof(float)))
+          << "token " << token << " row " << i;
   }
 }
 

@@ -9,19 +9,39 @@
 
 namespace mtpx {
 
-void apply_partial_rope(float* x, int64_t rotary_dim, double theta, int64_t pos) {
-  const int64_t half = rotary_dim / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    // As transformers computes it: inv_freq and the angle in float32, cos/sin of the float32 angle.
-    const float inv_freq = static_cast<float>(
-        1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(rotary_dim)));
-    const float angle = static_cast<float>(pos) * inv_freq;
-    const float c = static_cast<float>(std::cos(static_cast<double>(angle)));
-    const float s = static_cast<float>(std::sin(static_cast<double>(angle)));
-    const float a = x[i], b = x[i + half];
-    x[i] = a * c - b * s;
-    x[i + half] = b * c + a * s;
+namespace {
+
+// cos and sin of the rotary angles of one position, computed once and applied to every head (they were
+// computed per head: pow, cos and sin in double for each pair, a few us per token and layer).
+struct RopeAngles {
+  std::vector<float> cos, sin;  // [rotary_dim / 2]
+  RopeAngles(int64_t rotary_dim, double theta, int64_t pos) {
+    const int64_t half = rotary_dim / 2;
+    cos.resize(static_cast<size_t>(half));
+    sin.resize(static_cast<size_t>(half));
+    for (int64_t i = 0; i < half; ++i) {
+      // As transformers computes it: inv_freq and the angle in float32, cos/sin of the float32 angle.
+      const float inv_freq = static_cast<float>(
+          1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(rotary_dim)));
+      const float angle = static_cast<float>(pos) * inv_freq;
+      cos[static_cast<size_t>(i)] = static_cast<float>(std::cos(static_cast<double>(angle)));
+      sin[static_cast<size_t>(i)] = static_cast<float>(std::sin(static_cast<double>(angle)));
+    }
   }
+  void apply(float* x) const {
+    const size_t half = cos.size();
+    for (size_t i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      x[i] = a * cos[i] - b * sin[i];
+      x[i + half] = b * cos[i] + a * sin[i];
+    }
+  }
+};
+
+}  // namespace
+
+void apply_partial_rope(float* x, int64_t rotary_dim, double theta, int64_t pos) {
+  RopeAngles(rotary_dim, theta, pos).apply(x);
 }
 
 namespace {
@@ -30,11 +50,9 @@ namespace {
 void softmax_in_place(float* scores, int64_t n) {
   float max_score = -INFINITY;
   for (int64_t j = 0; j < n; ++j) max_score = std::max(max_score, scores[j]);
+  cpu::exp_shifted_in_place(scores, n, max_score);
   float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    scores[j] = std::exp(scores[j] - max_score);
-    sum += scores[j];
-  }
+  for (int64_t j = 0; j < n; ++j) sum += scores[j];
   const float inv_sum = 1.0f / sum;
   for (int64_t j = 0; j < n; ++j) scores[j] *= inv_sum;
 }
@@ -117,15 +135,16 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
   // q/k norm and RoPE; keys and values go to the cache at their positions.
   for (int64_t t = 0; t < T; ++t) {
     const int64_t pos = p0 + t;
+    const RopeAngles rope(c.rotary_dim, c.rope_theta, pos);
     for (int64_t hq = 0; hq < nq; ++hq) {
       float* q = &qg[static_cast<size_t>((t * nq + hq) * 2 * D)];
       cpu::rms_norm(q, w.q_norm.data(), eps, D, q);
-      apply_partial_rope(q, c.rotary_dim, c.rope_theta, pos);
+      rope.apply(q);
     }
     for (int64_t hk = 0; hk < nkv; ++hk) {
       float* kk = &k[static_cast<size_t>((t * nkv + hk) * D)];
       cpu::rms_norm(kk, w.k_norm.data(), eps, D, kk);
-      apply_partial_rope(kk, c.rotary_dim, c.rope_theta, pos);
+      rope.apply(kk);
     }
     std::copy_n(&k[static_cast<size_t>(t * nkv * D)], nkv * D,
                 &cache.keys[static_cast<size_t>(pos * nkv * D)]);

@@ -24,6 +24,8 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 // swiglu: out[i] = silu(gate[i]) * up[i];  silu_in_place: x[i] = silu(x[i]);  mul_sigmoid: x[i] *=
 // sigmoid(gate[i]).
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
+// x[i] = e^(x[i] - shift) (attention's softmax numerators), with the same polynomial e^x.
+void exp_shifted_in_place(float* x, int64_t n, float shift);
 void silu_in_place(float* x, int64_t n);
 void mul_sigmoid(const float* gate, int64_t n, float* x);
 
@@ -39,8 +41,8 @@ void axpy(float a, const float* x, int64_t n, float* y);
 // One token of the gated delta rule for one head (spec §4.2) on a state [dk, dv] row-major, from S_in to
 // S_out (the same array for an update in place, or another: a verify window keeps each token's state):
 //   S = decay S_in;  kv = k^T S;  delta = beta (v - kv);  S_out = S + k delta^T;  o = q^T S_out
-// in a fixed order (rows i = 0..dk-1 in turn, each a product and a sum per element, never fused), so a
-// token gives the same bits whether it runs alone or inside a verify window. scratch: 2 dv floats.
+// in a fixed order (rows i = 0..dk-1 in turn, per element), so a token gives the same bits whether it runs
+// alone or inside a verify window. scratch: 2 dv floats.
 void delta_rule_step(const float* S_in, float* S_out, const float* q, const float* k, const float* v,
                      float decay, float beta, int64_t dk, int64_t dv, float* o, float* scratch);
 
