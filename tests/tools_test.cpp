@@ -160,7 +160,10 @@ TEST(Tools, TuneSavesAProfileThatGenerateUsesAndStaleProfilesAreNotUsed) {
   const json profile = json::parse(t.out);
   ASSERT_TRUE(fs::exists(model / "mtpx_runtime.json"));
   ASSERT_TRUE(fs::exists(model / "mtpx_runtime.svg"));
-  EXPECT_EQ(profile["evidence"].size(), 3u);
+  // Plain decoding, then K = 1 and 2 each with the whole vocabulary and with the default candidate for an
+  // 8192-id vocabulary, half of it.
+  ASSERT_EQ(profile["evidence"].size(), 5u);
+  EXPECT_EQ(profile["draft_vocab_candidates"], json::array({4096}));
   const int64_t k = profile["draft"].get<int64_t>();
   const json on_disk = read_json_file(model / "mtpx_runtime.json");
   EXPECT_EQ(on_disk["draft"], k);
@@ -170,17 +173,18 @@ TEST(Tools, TuneSavesAProfileThatGenerateUsesAndStaleProfilesAreNotUsed) {
   const json g =
       run_json("generate --model " + model.string() + " --prompt-ids 1,2,3 --max-tokens 8 --mtp --json");
   EXPECT_EQ(g["stats"]["mtp"]["draft"], k > 0 ? k : 1);
-  // The draft vocabulary: tune tries the candidates asked for at every K (the shipped 8192-id model has
-  // no default ones), and generate takes the profile's choice unless --draft-vocab says otherwise.
+  // The draft vocabulary: tune tries the candidates asked for at every K, and generate takes the
+  // profile's choice unless --draft-vocab says otherwise.
   {
     const auto t2 = run("tune --model " + model.string() +
-                        " --max-draft 1 --max-tokens 16 --runs 1 --draft-vocab 4096 --json");
+                        " --max-draft 1 --max-tokens 16 --runs 1 --draft-vocab 1000,3000 --json");
     ASSERT_EQ(t2.code, 0) << t2.err;
     const json p2 = json::parse(t2.out);
-    ASSERT_EQ(p2["evidence"].size(), 3u);
+    ASSERT_EQ(p2["evidence"].size(), 4u);
     EXPECT_EQ(p2["evidence"][1]["draft_vocab"], 0);
-    EXPECT_EQ(p2["evidence"][2]["draft_vocab"], 4096);
-    EXPECT_EQ(p2["draft_vocab_candidates"], json::array({4096}));
+    EXPECT_EQ(p2["evidence"][2]["draft_vocab"], 1000);
+    EXPECT_EQ(p2["evidence"][3]["draft_vocab"], 3000);
+    EXPECT_EQ(p2["draft_vocab_candidates"], json::array({1000, 3000}));
     json chosen = read_json_file(model / "mtpx_runtime.json");
     chosen["draft"] = 2;
     chosen["draft_vocab"] = 4096;

@@ -99,7 +99,7 @@ std::function<int()> add_tune_command(CLI::App& app) {
   app.add_option(
          "--draft-vocab", f->options.draft_vocabs,
          "draft vocabularies to try beside the whole one, comma-separated (0: none; default: 32768 for "
-         "vocabularies of 131072 ids or more)")
+         "vocabularies of 131072 ids or more, half the vocabulary for 2048 or more)")
       ->delimiter(',')
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   app.add_flag("--json", f->json, "print the profile as JSON");

@@ -11,8 +11,10 @@ namespace mtpx::tools {
 using nlohmann::json;
 
 std::vector<int64_t> default_draft_vocabularies(int64_t vocab_size) {
-  constexpr int64_t kDraftVocab = 32768;
-  return vocab_size >= 4 * kDraftVocab ? std::vector<int64_t>{kDraftVocab} : std::vector<int64_t>{};
+  constexpr int64_t kDraftVocab = 32768, kMinHalved = 2048;
+  if (vocab_size >= 4 * kDraftVocab) return {kDraftVocab};
+  if (vocab_size >= kMinHalved) return {vocab_size / 2};
+  return {};
 }
 
 json tune_draft_depth(const Model& model, const std::vector<std::vector<int32_t>>& prompts,

@@ -32,7 +32,9 @@ struct TuneOptions {
 };
 
 // 32768 for vocabularies of at least 4 x 32768 ids (Qwen's 248320): there the head's lm_head pass is most
-// of a draft step, and the first 32768 merges hold most text. None for smaller vocabularies.
+// of a draft step, and the first 32768 merges hold most text. Half the vocabulary for smaller ones of at
+// least 2048 ids: on a model whose weights stay in cache the lm_head is a large part of every pass (the
+// shipped model on the 2-core Xeon: K=1 1.16x with all 8192 ids, 1.23x with 4096; BENCHMARKS.md session 8).
 std::vector<int64_t> default_draft_vocabularies(int64_t vocab_size);
 
 // Measures and decides; returns the profile (also written with save_runtime_profile by the caller).
