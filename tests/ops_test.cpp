@@ -176,5 +176,24 @@ TEST(DeltaRuleStep, SameBitsWhateverTheWidth) {
   }
 }
 
+// The vector argmax gives argmax's index: ties (the first wins), +0 and -0, the maximum in the tail or in the
+// first lane, every length, and NaN anywhere.
+TEST(ArgmaxRowsKernel, SameIndexAsTheLoop) {
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> coarse(-6, 6);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t n = 1; n <= 70; ++n)
+    for (int trial = 0; trial < 40; ++trial) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (float& v : x) v = static_cast<float>(coarse(rng)) * 0.5f;  // many ties
+      if (trial % 5 == 1) x[static_cast<size_t>(trial % n)] = -0.0f;
+      if (trial % 7 == 2) x[static_cast<size_t>((trial * 13) % n)] = nan;
+      if (trial % 11 == 3) x[static_cast<size_t>(n - 1)] = 100.0f;
+      ASSERT_EQ(argmax_rows_kernel(x.data(), n), argmax(x.data(), n)) << "n " << n << " trial " << trial;
+    }
+  std::vector<float> zeros = {-0.0f, 0.0f, -0.0f, 0.0f, -0.0f, 0.0f, -0.0f, 0.0f, -0.0f};
+  EXPECT_EQ(argmax_rows_kernel(zeros.data(), 9), argmax(zeros.data(), 9));
+}
+
 }  // namespace
 }  // namespace mtpx::cpu

@@ -68,8 +68,8 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   result.argmax.clear();
   if (argmax_limit > 0 && rows != LogitRows::kNone)
     for (size_t r = 0; r < result.logits.size() / static_cast<size_t>(lm_head.rows); ++r)
-      result.argmax.push_back(cpu::argmax(&result.logits[r * static_cast<size_t>(lm_head.rows)],
-                                          std::min(argmax_limit, lm_head.rows)));
+      result.argmax.push_back(cpu::argmax_rows_kernel(&result.logits[r * static_cast<size_t>(lm_head.rows)],
+                                                      std::min(argmax_limit, lm_head.rows)));
 }
 
 }  // namespace mtpx

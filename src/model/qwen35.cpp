@@ -102,8 +102,8 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   result.argmax.clear();
   if (argmax_limit > 0 && rows != LogitRows::kNone)
     for (size_t r = 0; r < result.logits.size() / static_cast<size_t>(c.vocab_size); ++r)
-      result.argmax.push_back(cpu::argmax(&result.logits[r * static_cast<size_t>(c.vocab_size)],
-                                          std::min(argmax_limit, c.vocab_size)));
+      result.argmax.push_back(cpu::argmax_rows_kernel(&result.logits[r * static_cast<size_t>(c.vocab_size)],
+                                                      std::min(argmax_limit, c.vocab_size)));
   if (record_window) state.set_window(p0, T);
   state.advance(T);
 }

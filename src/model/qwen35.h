@@ -59,7 +59,8 @@ class Model {
   // Runs `tokens` at positions state.position() .. +T-1, advancing the state. With `record_window`
   // (T < kGemmMinRows), the pass can afterwards be cut back to any prefix with rollback().
   // argmax_limit > 0 (greedy decoding): result.argmax gets each logit row's argmax over ids < the limit
-  // (cpu::argmax), and a device copies only those instead of the [rows, V] logits.
+  // (cpu::argmax_rows_kernel, the same index as cpu::argmax), and a device copies only those instead of the
+  // [rows, V] logits.
   void forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
                bool record_window = false, int64_t argmax_limit = 0) const;
 

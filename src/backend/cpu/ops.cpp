@@ -332,6 +332,48 @@ void gemm(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, f
               b, static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
 }
 
+namespace {
+
+__attribute__((target("avx2"))) int32_t argmax_avx2(const float* x, int64_t n) {
+  const int64_t n8 = n / 8 * 8;
+  __m256 best = _mm256_loadu_ps(x);
+  __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+  for (int64_t i = 8; i < n8; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    best = _mm256_max_ps(best, v);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, best);
+  float top = lanes[0];
+  for (int j = 1; j < 8; ++j) top = lanes[j] > top ? lanes[j] : top;
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t i = n8; i < n; ++i) {
+    has_nan = has_nan || x[i] != x[i];
+    top = x[i] > top ? x[i] : top;
+  }
+  if (has_nan) return argmax(x, n);
+  // The first position holding the largest value (+0 and -0 compare equal, as in argmax's comparison).
+  const __m256 target = _mm256_set1_ps(top);
+  for (int64_t i = 0; i < n8; i += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+    if (mask != 0) return static_cast<int32_t>(i + __builtin_ctz(static_cast<unsigned>(mask)));
+  }
+  for (int64_t i = n8; i < n; ++i)
+    if (x[i] == top) return static_cast<int32_t>(i);
+  return argmax(x, n);  // unreachable: top is one of the values
+}
+
+}  // namespace
+
+int32_t argmax_rows_kernel(const float* x, int64_t n) {
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return avx2 && n >= 8 ? argmax_avx2(x, n) : argmax(x, n);
+}
+
 bool all_finite(const float* x, int64_t n) {
   // On the bits (an all-ones exponent is NaN or Inf): vectorizes, and -ffast-math could not fold it away.
   uint32_t worst = 0;
