@@ -105,17 +105,14 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
   cpu::matmul_shared_input(in_proj, h, T);
 
   // Causal depthwise conv over [conv state (Kc-1 rows) ; qkv (T rows)], then SiLU (§4.1). Per channel the
-  // taps are summed in order j = 0..Kc-1 from 0, whatever T is; the weights are transposed so that the
-  // channel loop runs over contiguous memory.
+  // taps are summed in order j = 0..Kc-1 from 0, whatever T is; the taps are read tap-major (transposed at
+  // load) so that the channel loop runs over contiguous memory.
   std::vector<float> x(static_cast<size_t>(T * conv_dim));  // [T, conv_dim] post-conv
   auto input_row = [&](int64_t r) -> const float* {         // r indexes the concatenation
     return r < Kc - 1 ? &state.conv[static_cast<size_t>(r * conv_dim)]
                       : &qkv[static_cast<size_t>((r - (Kc - 1)) * conv_dim)];
   };
-  std::vector<float> taps(static_cast<size_t>(Kc * conv_dim));  // [Kc, conv_dim]
-  for (int64_t ch = 0; ch < conv_dim; ++ch)
-    for (int64_t j = 0; j < Kc; ++j)
-      taps[static_cast<size_t>(j * conv_dim + ch)] = w.conv1d[static_cast<size_t>(ch * Kc + j)];
+  const std::vector<float>& taps = w.conv1d_by_tap;       // [Kc, conv_dim]
   const bool many_rows = T >= kDeltaNetChunkedMinTokens;  // prefill: worth a thread team
 #pragma omp parallel for schedule(static) if (many_rows)
   for (int64_t t = 0; t < T; ++t) {

@@ -11,6 +11,15 @@
 #include "util/error.h"
 
 namespace mtpx {
+
+void set_conv_taps(DeltaNetWeights& d, int64_t conv_dim, int64_t kernel) {
+  d.conv1d_by_tap.resize(static_cast<size_t>(kernel * conv_dim));
+  for (int64_t ch = 0; ch < conv_dim; ++ch)
+    for (int64_t j = 0; j < kernel; ++j)
+      d.conv1d_by_tap[static_cast<size_t>(j * conv_dim + ch)] =
+          d.conv1d[static_cast<size_t>(ch * kernel + j)];
+}
+
 namespace {
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -159,6 +168,7 @@ DeltaNetWeights load_delta_net(Resolver& r, const std::string& p, const ModelCon
   const bool mlx_conv = conv != nullptr && conv->shape == std::vector<int64_t>{conv_dim, Kc, 1};
   d.conv1d = r.vector(p + "conv1d.weight", mlx_conv ? std::vector<int64_t>{conv_dim, Kc, 1}
                                                     : std::vector<int64_t>{conv_dim, 1, Kc});
+  set_conv_taps(d, conv_dim, Kc);
   d.a_log = r.vector(p + "A_log", {Hv});
   d.dt_bias = r.vector(p + "dt_bias", {Hv});
   d.norm = r.vector(p + "norm.weight", {Dv});  // plain w: RMSNormGated is not zero-centered (§2.1)
@@ -365,6 +375,7 @@ ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, Synthet
       d.in_proj_a = mat(Hv, H);
       d.out_proj = mat(H, Hv * Dv);
       d.conv1d = random_vector(rng, c.conv_dim() * c.linear_conv_kernel_dim, 0.0f, 0.3f);
+      set_conv_taps(d, c.conv_dim(), c.linear_conv_kernel_dim);
       d.a_log = random_vector(rng, Hv, 0.0f, 0.5f);
       d.dt_bias = random_vector(rng, Hv, 0.0f, 0.5f);
       d.norm = random_vector(rng, Dv, 1.0f, 0.1f);

@@ -29,16 +29,21 @@ struct AttentionWeights {
 
 // Gated DeltaNet (§4).
 struct DeltaNetWeights {
-  cpu::WeightMatrix in_proj_qkv;  // [conv_dim, H]  rows [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]
-  cpu::WeightMatrix in_proj_z;    // [Hv * Dv, H]
-  cpu::WeightMatrix in_proj_b;    // [Hv, H]
-  cpu::WeightMatrix in_proj_a;    // [Hv, H]
-  cpu::WeightMatrix out_proj;     // [H, Hv * Dv]
-  std::vector<float> conv1d;      // [conv_dim, Kc]  depthwise; [c][Kc-1] multiplies the current token
-  std::vector<float> a_log;       // [Hv]
-  std::vector<float> dt_bias;     // [Hv]
-  std::vector<float> norm;        // [Dv]  plain w (RMSNormGated)
+  cpu::WeightMatrix in_proj_qkv;     // [conv_dim, H]  rows [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]
+  cpu::WeightMatrix in_proj_z;       // [Hv * Dv, H]
+  cpu::WeightMatrix in_proj_b;       // [Hv, H]
+  cpu::WeightMatrix in_proj_a;       // [Hv, H]
+  cpu::WeightMatrix out_proj;        // [H, Hv * Dv]
+  std::vector<float> conv1d;         // [conv_dim, Kc]  depthwise; [c][Kc-1] multiplies the current token
+  std::vector<float> conv1d_by_tap;  // [Kc, conv_dim]  the same taps tap-major, for the CPU conv's loop over
+                                     // contiguous channels (made once at load: set_conv_taps)
+  std::vector<float> a_log;          // [Hv]
+  std::vector<float> dt_bias;        // [Hv]
+  std::vector<float> norm;           // [Dv]  plain w (RMSNormGated)
 };
+
+// Fills d.conv1d_by_tap from d.conv1d.
+void set_conv_taps(DeltaNetWeights& d, int64_t conv_dim, int64_t kernel);
 
 // SwiGLU MLP (§5).
 struct MlpWeights {
