@@ -82,20 +82,16 @@ inline void prefetch_ahead(const void* p) {
 
 constexpr int64_t element_bytes(WeightType t) { return t == WeightType::kF32 ? 4 : 2; }
 
-// AVX-512: 16 lanes, blocks of 64; bf16 widened by zero-extension and a 16-bit shift.
+// AVX-512: 16 lanes, blocks of 64 (f32 and f16 weights; bf16 has rows_avx512_bf16).
 template <WeightType T>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline __m512 load16(const void* base,
                                                                               int64_t index) {
-  if constexpr (T == WeightType::kF32) {
+  static_assert(T == WeightType::kF32 || T == WeightType::kF16);
+  if constexpr (T == WeightType::kF32)
     return _mm512_loadu_ps(static_cast<const float*>(base) + index);
-  } else if constexpr (T == WeightType::kF16) {
+  else
     return _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
-  } else {
-    __m256i h =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
 }
 
 template <WeightType T, int NR>
@@ -780,14 +776,16 @@ struct KernelSet {
 
 template <WeightType T>
 const KernelSet& kernels_for(MatmulKernel p) {
-  static const KernelSet avx512 =
-      T == WeightType::kBF16
-          ? KernelSet{{rows_avx512_bf16<1>, rows_avx512_bf16<2>, rows_avx512_bf16<3>, rows_avx512_bf16<4>},
-                      4,
-                      ActivationOrder::kEvenOdd32}
-          : KernelSet{{rows_avx512<T, 1>, rows_avx512<T, 2>, rows_avx512<T, 3>, rows_avx512<T, 4>},
-                      4,
-                      ActivationOrder::kInOrder};
+  static const KernelSet avx512 = [] {
+    if constexpr (T == WeightType::kBF16)
+      return KernelSet{{rows_avx512_bf16<1>, rows_avx512_bf16<2>, rows_avx512_bf16<3>, rows_avx512_bf16<4>},
+                       4,
+                       ActivationOrder::kEvenOdd32};
+    else
+      return KernelSet{{rows_avx512<T, 1>, rows_avx512<T, 2>, rows_avx512<T, 3>, rows_avx512<T, 4>},
+                       4,
+                       ActivationOrder::kInOrder};
+  }();
   static const KernelSet avx2 = {
       {rows_avx2<T, 1>, rows_avx2<T, 2>, rows_avx2<T, 3>, rows_avx2<T, 3>},
       3,
@@ -901,6 +899,36 @@ void rows_of(const KernelSet& set, const WeightMatrix& w, const Activations& xs,
       set.rows[std::min(set.max_rows, m - m0) - 1](w, xs, x, m0, o, o + 1, y);
 }
 
+// The small-M products of one or more matrices with the same input (equal cols and type, the kernels of
+// `set`) in one thread team. Threads take contiguous ranges of chunks of 16 output rows over the matrices
+// in turn (schedule static), so each streams one part of the weights; equal columns and type make every
+// whole chunk the same number of bytes, so the split balances the threads.
+void small_m_products(const KernelSet& set, std::span<const MatmulTarget> targets, const float* x,
+                      int64_t m) {
+  const int64_t cols = targets[0].w->cols;
+  ActivationBuffer buffer;
+  const Activations xs = prepare_activations(x, m, cols, set.order, buffer);
+  struct Chunk {
+    const MatmulTarget* target;
+    int64_t o0, o1;
+  };
+  std::vector<Chunk> chunks;
+  int64_t rows = 0;
+  for (const MatmulTarget& t : targets) {
+    rows += t.w->rows;
+    for (int64_t o0 = 0; o0 < t.w->rows; o0 += kChunkRows)
+      chunks.push_back({&t, o0, std::min(t.w->rows, o0 + kChunkRows)});
+  }
+  const auto n = static_cast<int64_t>(chunks.size());
+  // Small products are not worth waking the thread team.
+  const bool parallel = n > 1 && rows * cols * m >= kParallelMinProducts;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t c = 0; c < n; ++c) {
+    const Chunk& chunk = chunks[static_cast<size_t>(c)];
+    rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
+  }
+}
+
 void matmul_with(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKernel kernel,
                  bool amx_gemm) {
   if (m <= 0 || w.rows <= 0) return;
@@ -926,17 +954,8 @@ void matmul_with(const WeightMatrix& w, const float* x, int64_t m, float* y, Mat
     }
     kernel = MatmulKernel::kAvx512;
   }
-  const KernelSet& set = select_kernels(w.type, kernel);
-  ActivationBuffer buffer;
-  const Activations xs = prepare_activations(x, m, w.cols, set.order, buffer);
-  // Threads take contiguous ranges of output features (schedule static), so each streams one part of the
-  // matrix; chunks of 16 rows keep the calls few.
-  const int64_t chunks = (w.rows + kChunkRows - 1) / kChunkRows;
-  // Small products are not worth waking the thread team.
-  const bool parallel = chunks > 1 && w.rows * w.cols * m >= kParallelMinProducts;
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t c = 0; c < chunks; ++c)
-    rows_of(set, w, xs, x, m, c * kChunkRows, std::min(w.rows, (c + 1) * kChunkRows), y);
+  const MatmulTarget target{&w, y};
+  small_m_products(select_kernels(w.type, kernel), std::span<const MatmulTarget>(&target, 1), x, m);
 }
 
 }  // namespace
@@ -954,29 +973,7 @@ void matmul_shared_input(std::span<const MatmulTarget> targets, const float* x, 
     for (const MatmulTarget& t : targets) matmul(*t.w, x, m, t.y);
     return;
   }
-  const KernelSet& set = select_kernels(first.type, kernel);
-  ActivationBuffer buffer;
-  const Activations xs = prepare_activations(x, m, first.cols, set.order, buffer);
-  // Chunks of 16 output rows over the matrices in turn; equal columns and type make every whole chunk the
-  // same number of bytes, so a static split balances the threads.
-  struct Chunk {
-    const MatmulTarget* target;
-    int64_t o0, o1;
-  };
-  std::vector<Chunk> chunks;
-  int64_t rows = 0;
-  for (const MatmulTarget& t : targets) {
-    rows += t.w->rows;
-    for (int64_t o0 = 0; o0 < t.w->rows; o0 += kChunkRows)
-      chunks.push_back({&t, o0, std::min(t.w->rows, o0 + kChunkRows)});
-  }
-  const auto n = static_cast<int64_t>(chunks.size());
-  const bool parallel = n > 1 && rows * first.cols * m >= kParallelMinProducts;
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t c = 0; c < n; ++c) {
-    const Chunk& chunk = chunks[static_cast<size_t>(c)];
-    rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
-  }
+  small_m_products(select_kernels(first.type, kernel), targets, x, m);
 }
 
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {

@@ -17,6 +17,21 @@ namespace mtpx::cpu {
 // picked at load time by the CPU (GCC function multiversioning); one version per machine.
 #define MTPX_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))
 
+namespace {
+
+// What the CPU runs, for the kernels below that pick a version at run time.
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}
+
+bool cpu_has_avx512f() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") != 0;
+}
+
+}  // namespace
+
 void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
   float ss = dot(x, x, n);
   const float scale = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -109,10 +124,7 @@ __attribute__((target("avx2"))) void activation_avx2(const float* a, const float
 
 template <Activation A>
 void apply_activation(const float* a, const float* b, int64_t n, float* out) {
-  static const bool avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
+  static const bool avx2 = cpu_has_avx2();
   if (avx2) {
     activation_avx2<A>(a, b, n, out);
     return;
@@ -155,9 +167,6 @@ MTPX_MULTIVERSION void axpy(float a, const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// One call per head and token, with the row loops inlined: called once per 64-float row (three axpy
-// calls through the multiversion dispatch each), the same arithmetic took 8.5 us per layer and token on
-// the shipped model, a sixth of a decode step (BENCHMARKS.md, session 8).
 namespace {
 
 // The same step with 64 columns of the state held in four 512-bit registers per pass (dv a multiple of
@@ -227,12 +236,12 @@ MTPX_MULTIVERSION void delta_rule_step_loops(const float* S_in, float* S_out, co
 
 }  // namespace
 
+// One call per head and token, with the row loops inlined: called once per 64-float row (three axpy
+// calls through the multiversion dispatch each), the same arithmetic took 8.5 us per layer and token on
+// the shipped model, a sixth of a decode step (BENCHMARKS.md, session 8).
 void delta_rule_step(const float* S_in, float* S_out, const float* q, const float* k, const float* v,
                      float decay, float beta, int64_t dk, int64_t dv, float* o, float* scratch) {
-  static const bool avx512 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
+  static const bool avx512 = cpu_has_avx512f();
   if (avx512 && dv % 64 == 0) {
     delta_rule_step_avx512(S_in, S_out, q, k, v, decay, beta, dk, dv, o);
     return;
@@ -242,10 +251,7 @@ void delta_rule_step(const float* S_in, float* S_out, const float* q, const floa
 
 namespace {
 
-bool have_avx2_fma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
+bool have_avx2_fma() { return cpu_has_avx2() && __builtin_cpu_supports("fma"); }
 
 // One key: an 8-lane FMA chain over the whole vectors, the horizontal sum, the scalar tail in order.
 template <int R>
@@ -367,10 +373,7 @@ __attribute__((target("avx2"))) int32_t argmax_avx2(const float* x, int64_t n) {
 }  // namespace
 
 int32_t argmax_rows_kernel(const float* x, int64_t n) {
-  static const bool avx2 = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
+  static const bool avx2 = cpu_has_avx2();
   return avx2 && n >= 8 ? argmax_avx2(x, n) : argmax(x, n);
 }
 
