@@ -201,6 +201,28 @@ TEST_P(MatmulTest, SharedInputMatchesSeparateProducts) {
   omp_set_num_threads(saved_threads);
 }
 
+// Reading a prefix of the rows last changes which thread computes a row and when, never the row's value.
+TEST_P(MatmulTest, PrefixLastMatchesMatmul) {
+  const int64_t rows = 300, cols = 320;
+  const Matrix w = make_matrix(GetParam(), rows, cols, 50);
+  const int saved_threads = omp_get_max_threads();
+  for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{5}, kGemmMinRows + 1}) {
+    auto x = random_vector(static_cast<size_t>(m * cols), 51);
+    std::vector<float> expected(static_cast<size_t>(m * rows), NAN);
+    matmul(w.view, x.data(), m, expected.data());
+    for (int threads : {1, 2, 3}) {
+      omp_set_num_threads(threads);
+      for (int64_t prefix : {0, 1, 16, 17, 150, 299, 300, 400}) {
+        std::vector<float> got(expected.size(), NAN);  // every output must be written
+        matmul_prefix_last(w.view, x.data(), m, got.data(), prefix);
+        ASSERT_EQ(0, std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)))
+            << "m=" << m << " threads=" << threads << " prefix=" << prefix;
+      }
+    }
+  }
+  omp_set_num_threads(saved_threads);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllTypes, MatmulTest,
                          ::testing::Values(WeightType::kF32, WeightType::kF16, WeightType::kBF16));
 

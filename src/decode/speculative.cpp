@@ -118,7 +118,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   // Prefill the trunk; the first token comes from its last row, exactly as in plain decoding.
   auto t0 = Clock::now();
   ForwardResult trunk;
-  model.forward(state, prompt, LogitRows::kLast, trunk, false, target_argmax);
+  model.forward(state, prompt, LogitRows::kLast, trunk, false, target_argmax, head_logit_ids);
   int32_t last = sample(target_row(trunk, 0), rng);
   // Prefill the head over the prompt (spec §6.3): row t = (h_t, x_{t+1}) at position t, t = 0..n-1.
   MtpResult head;
@@ -168,7 +168,8 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     // Verify [last, d_1..d_k] in one trunk pass, recorded so it can be cut back to the accepted prefix.
     std::vector<int32_t> window{last};
     window.insert(window.end(), drafts.begin(), drafts.end());
-    model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true, target_argmax);
+    model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true, target_argmax,
+                  head_logit_ids);
     target_dists.clear();
     for (int64_t i = 0; i <= k; ++i) target_dists.push_back(target_row(trunk, i));
     const std::vector<int32_t> emitted = accept_drafts(drafts, draft_dists, target_dists, rng);

@@ -30,7 +30,7 @@ void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCa
 
 void norm_and_logits(const ModelConfig& c, const cpu::WeightMatrix& lm_head, const std::vector<float>& norm,
                      const float* x, int64_t T, LogitRows rows, std::vector<float>& hidden,
-                     std::vector<float>& logits) {
+                     std::vector<float>& logits, int64_t next_prefix_rows) {
   const int64_t H = c.hidden_size, V = lm_head.rows;  // the vocabulary, or a draft vocabulary's prefix
   const float eps = static_cast<float>(c.rms_norm_eps);
   hidden.resize(static_cast<size_t>(T * H));
@@ -42,11 +42,12 @@ void norm_and_logits(const ModelConfig& c, const cpu::WeightMatrix& lm_head, con
       break;
     case LogitRows::kLast:
       logits.resize(static_cast<size_t>(V));
-      cpu::matmul(lm_head, &hidden[static_cast<size_t>((T - 1) * H)], 1, logits.data());
+      cpu::matmul_prefix_last(lm_head, &hidden[static_cast<size_t>((T - 1) * H)], 1, logits.data(),
+                              next_prefix_rows);
       break;
     case LogitRows::kAll:
       logits.resize(static_cast<size_t>(T * V));
-      cpu::matmul(lm_head, hidden.data(), T, logits.data());
+      cpu::matmul_prefix_last(lm_head, hidden.data(), T, logits.data(), next_prefix_rows);
       break;
   }
 }

@@ -21,8 +21,10 @@ void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& config,
                            bool record_window = false);
 
 // hidden = RMSNorm1p(x, norm) for all T rows; logits = hidden @ lm_head^T for the rows asked for.
+// next_prefix_rows > 0: the next product reads lm_head rows [0, next_prefix_rows) (the MTP head's draft
+// vocabulary), so this one reads them last (cpu::matmul_prefix_last); the logits are the same.
 void norm_and_logits(const ModelConfig& config, const cpu::WeightMatrix& lm_head,
                      const std::vector<float>& norm, const float* x, int64_t t_count, LogitRows rows,
-                     std::vector<float>& hidden, std::vector<float>& logits);
+                     std::vector<float>& hidden, std::vector<float>& logits, int64_t next_prefix_rows = 0);
 
 }  // namespace mtpx

@@ -63,7 +63,8 @@ void Model::use_device(const std::string& device) {
 }
 
 void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows,
-                    ForwardResult& result, bool record_window, int64_t argmax_limit) const {
+                    ForwardResult& result, bool record_window, int64_t argmax_limit,
+                    int64_t head_logit_ids) const {
   const ModelConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hidden_size;
@@ -94,7 +95,8 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   for (int64_t li = 0; li < c.num_layers; ++li)
     decoder_layer_forward(weights_.layers[static_cast<size_t>(li)], c, &state.kv(li), &state.delta(li), p0,
                           x.data(), T, record_window);
-  norm_and_logits(c, weights_.lm_head, weights_.final_norm, x.data(), T, rows, result.hidden, result.logits);
+  norm_and_logits(c, weights_.lm_head, weights_.final_norm, x.data(), T, rows, result.hidden, result.logits,
+                  head_logit_ids);
   const std::vector<float>& out = rows == LogitRows::kNone ? result.hidden : result.logits;
   if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
     fail_non_finite(fmt::format("{} at positions {}..{}",

@@ -61,8 +61,11 @@ class Model {
   // argmax_limit > 0 (greedy decoding): result.argmax gets each logit row's argmax over ids < the limit
   // (cpu::argmax_rows_kernel, the same index as cpu::argmax), and a device copies only those instead of the
   // [rows, V] logits.
+  // head_logit_ids > 0: the MTP head's next pass computes the logits of ids < head_logit_ids only (a draft
+  // vocabulary); the lm_head product then reads those rows last so that they are still cached for it
+  // (norm_and_logits). The results do not depend on it.
   void forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
-               bool record_window = false, int64_t argmax_limit = 0) const;
+               bool record_window = false, int64_t argmax_limit = 0, int64_t head_logit_ids = 0) const;
 
   // Throws kInvalidInput for NaN or Inf that a forward pass produced (`what`: "logits at position 12"),
   // naming the checkpoint tensors that hold NaN or Inf: sampling from such logits would emit garbage.
@@ -70,7 +73,8 @@ class Model {
   [[noreturn]] void fail_non_finite(const std::string& what) const;
 
   // Keeps only the first `keep` tokens of the last recorded window: attention KV is truncated by moving
-  // the position back (later writes overwrite the rest); DeltaNet states are restored and replayed.
+  // the position back (later writes overwrite the rest); DeltaNet states and conv rows are taken from the
+  // window's per-token snapshots (deltanet_rollback).
   void rollback(InferenceState& state, int64_t keep) const;
 
  private:

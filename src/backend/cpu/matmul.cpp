@@ -903,8 +903,14 @@ void rows_of(const KernelSet& set, const WeightMatrix& w, const Activations& xs,
 // `set`) in one thread team. Threads take contiguous ranges of chunks of 16 output rows over the matrices
 // in turn (schedule static), so each streams one part of the weights; equal columns and type make every
 // whole chunk the same number of bytes, so the split balances the threads.
-void small_m_products(const KernelSet& set, std::span<const MatmulTarget> targets, const float* x,
-                      int64_t m) {
+// Thread t's share [begin, end) of n work items split into p contiguous, balanced ranges.
+struct Share {
+  int64_t begin, end;
+  Share(int64_t n, int t, int p) : begin(n * t / p), end(n * (t + 1) / p) {}
+};
+
+void small_m_products(const KernelSet& set, std::span<const MatmulTarget> targets, const float* x, int64_t m,
+                      int64_t prefix_rows = 0) {
   const int64_t cols = targets[0].w->cols;
   ActivationBuffer buffer;
   const Activations xs = prepare_activations(x, m, cols, set.order, buffer);
@@ -912,20 +918,34 @@ void small_m_products(const KernelSet& set, std::span<const MatmulTarget> target
     const MatmulTarget* target;
     int64_t o0, o1;
   };
+  // Chunks of the rows [prefix_rows, end) of each matrix, then (one matrix only) of rows [0, prefix_rows).
   std::vector<Chunk> chunks;
   int64_t rows = 0;
   for (const MatmulTarget& t : targets) {
     rows += t.w->rows;
-    for (int64_t o0 = 0; o0 < t.w->rows; o0 += kChunkRows)
+    for (int64_t o0 = prefix_rows; o0 < t.w->rows; o0 += kChunkRows)
       chunks.push_back({&t, o0, std::min(t.w->rows, o0 + kChunkRows)});
   }
+  const auto suffix_chunks = static_cast<int64_t>(chunks.size());
+  for (int64_t o0 = 0; o0 < prefix_rows; o0 += kChunkRows)
+    chunks.push_back({&targets[0], o0, std::min(prefix_rows, o0 + kChunkRows)});
   const auto n = static_cast<int64_t>(chunks.size());
   // Small products are not worth waking the thread team.
   const bool parallel = n > 1 && rows * cols * m >= kParallelMinProducts;
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t c = 0; c < n; ++c) {
-    const Chunk& chunk = chunks[static_cast<size_t>(c)];
-    rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
+#pragma omp parallel if (parallel)
+  {
+    const int t = omp_get_thread_num(), p = omp_get_num_threads();
+    // The thread's share of the suffix, then its share of the prefix: the same share of the same chunks
+    // that a product of the prefix alone gives it (matmul_prefix_last).
+    const Share suffix(suffix_chunks, t, p), prefix(n - suffix_chunks, t, p);
+    for (int64_t c = suffix.begin; c < suffix.end; ++c) {
+      const Chunk& chunk = chunks[static_cast<size_t>(c)];
+      rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
+    }
+    for (int64_t c = suffix_chunks + prefix.begin; c < suffix_chunks + prefix.end; ++c) {
+      const Chunk& chunk = chunks[static_cast<size_t>(c)];
+      rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
+    }
   }
 }
 
@@ -978,6 +998,18 @@ void matmul_shared_input(std::span<const MatmulTarget> targets, const float* x, 
 
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   matmul_with(w, x, m, y, path(), amx_prefill());
+}
+
+void matmul_prefix_last(const WeightMatrix& w, const float* x, int64_t m, float* y, int64_t prefix_rows) {
+  const MatmulKernel kernel = path();
+  if (prefix_rows <= 0 || prefix_rows >= w.rows || m >= kGemmMinRows || m <= 0 || w.cols == 0 ||
+      w.type == WeightType::kAffine || kernel == MatmulKernel::kAmx) {
+    matmul(w, x, m, y);
+    return;
+  }
+  const MatmulTarget target{&w, y};
+  small_m_products(select_kernels(w.type, kernel), std::span<const MatmulTarget>(&target, 1), x, m,
+                   prefix_rows);
 }
 
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKernel kernel) {

@@ -52,6 +52,12 @@ int64_t weight_bytes(const WeightMatrix& w);
 // x: [M, W.cols] float32 row-major; y: [M, W.rows] float32 row-major (must not alias x).
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y);
 
+// matmul() whose threads each read their share of the rows [0, prefix_rows) last: the share a matmul() of
+// those rows alone gives the same thread. The lm_head of a verify pass is read this way so that the MTP
+// head's product over its draft vocabulary (the first prefix_rows rows), which comes next, finds each
+// thread's rows still in that core's L2 instead of streaming them from L3 again. Bit-identical to matmul().
+void matmul_prefix_last(const WeightMatrix& w, const float* x, int64_t m, float* y, int64_t prefix_rows);
+
 // One product of a matmul_shared_input() call: y = x W^T.
 struct MatmulTarget {
   const WeightMatrix* w;
