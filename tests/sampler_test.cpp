@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -94,6 +95,35 @@ TEST(Sampler, TopKMatchesFullSort) {
                       cur = logits[static_cast<size_t>(d.ids[i])];
           ASSERT_TRUE(prev > cur || (prev == cur && d.ids[i - 1] < d.ids[i]));
         }
+      }
+    }
+  }
+}
+
+// The top-k scan skips blocks of logits that all lose to the heap's top: orders where the top changes
+// within a block (ascending, by 0.01 or by a hair), never (descending) or at random, block edges and tails
+// included.
+TEST(Sampler, TopKBlockSkippingKeepsExactlyTheTopK) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int64_t n : {31, 32, 33, 84, 1000, 8192}) {
+    for (int order = 0; order < 4; ++order) {
+      std::vector<float> logits(static_cast<size_t>(n));
+      for (size_t i = 0; i < logits.size(); ++i)
+        logits[i] = order == 0   ? static_cast<float>(i) * 0.01f
+                    : order == 1 ? -static_cast<float>(i) * 0.01f
+                    : order == 2 ? normal(rng)
+                                 : 1.0f + static_cast<float>(i) * 1e-6f;  // each beats the top by a hair
+      for (int64_t k : {1, 20, 32, 33}) {
+        if (k > n) continue;
+        std::vector<int32_t> expected(static_cast<size_t>(n));
+        std::iota(expected.begin(), expected.end(), 0);
+        std::stable_sort(expected.begin(), expected.end(), [&](int32_t x, int32_t y) {
+          return logits[static_cast<size_t>(x)] > logits[static_cast<size_t>(y)];
+        });
+        expected.resize(static_cast<size_t>(k));  // distinct values here: no ties at the boundary
+        const TokenDistribution d = truncate(logits, {.temperature = 1.0, .top_k = k}, n);
+        ASSERT_EQ(d.ids, expected) << "n " << n << " order " << order << " k " << k;
       }
     }
   }
