@@ -76,7 +76,7 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
     };
     // Blocks whose logits all lose to the heap's top are skipped after one (vectorized) test: the top only
     // grows, so a logit that loses to it at the block's start loses to it at its turn too, and the others
-    // are offered in order, so the heap ends as the plain scan leaves it. (8192 ids: 7.2 -> ~2 us.)
+    // are offered in order, so the heap ends as the plain scan leaves it. (8192 ids: 7.3 -> 1.9 us.)
     int64_t i = p.top_k;
     for (; i + kBlock <= n; i += kBlock)
       if (any_above(&logits[static_cast<size_t>(i)], heap.front()))

@@ -899,16 +899,17 @@ void rows_of(const KernelSet& set, const WeightMatrix& w, const Activations& xs,
       set.rows[std::min(set.max_rows, m - m0) - 1](w, xs, x, m0, o, o + 1, y);
 }
 
-// The small-M products of one or more matrices with the same input (equal cols and type, the kernels of
-// `set`) in one thread team. Threads take contiguous ranges of chunks of 16 output rows over the matrices
-// in turn (schedule static), so each streams one part of the weights; equal columns and type make every
-// whole chunk the same number of bytes, so the split balances the threads.
 // Thread t's share [begin, end) of n work items split into p contiguous, balanced ranges.
 struct Share {
   int64_t begin, end;
   Share(int64_t n, int t, int p) : begin(n * t / p), end(n * (t + 1) / p) {}
 };
 
+// The small-M products of one or more matrices with the same input (equal cols and type, the kernels of
+// `set`) in one thread team. Threads take contiguous ranges of chunks of 16 output rows over the matrices
+// in turn (Share), so each streams one part of the weights; equal columns and type make every whole chunk
+// the same number of bytes, so the split balances the threads. prefix_rows > 0 (one matrix): each thread
+// takes its range of the chunks of rows [prefix_rows, rows), then its range of those of [0, prefix_rows).
 void small_m_products(const KernelSet& set, std::span<const MatmulTarget> targets, const float* x, int64_t m,
                       int64_t prefix_rows = 0) {
   const int64_t cols = targets[0].w->cols;
