@@ -33,17 +33,13 @@ TokenDistribution one_hot(int32_t id) { return TokenDistribution{{id}, {1.0f}}; 
 
 namespace {
 
-// Whether any of kBlock logits is > (any_above) or >= (any_at_least) a threshold; NaN is neither. Written
-// without branches so that the compiler tests the block in vector registers.
+// Whether any of kBlock logits passes `passes(logit, threshold)` (> or >=; NaN passes neither). A count
+// without branches, so that the compiler tests the block in vector registers.
 constexpr int64_t kBlock = 32;
-bool any_above(const float* x, float threshold) {
+template <class Compare>
+bool any_passes(const float* x, float threshold, Compare passes) {
   int count = 0;
-  for (int64_t j = 0; j < kBlock; ++j) count += x[j] > threshold ? 1 : 0;
-  return count > 0;
-}
-bool any_at_least(const float* x, float threshold) {
-  int count = 0;
-  for (int64_t j = 0; j < kBlock; ++j) count += x[j] >= threshold ? 1 : 0;
+  for (int64_t j = 0; j < kBlock; ++j) count += passes(x[j], threshold) ? 1 : 0;
   return count > 0;
 }
 
@@ -79,14 +75,14 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
     // are offered in order, so the heap ends as the plain scan leaves it. (8192 ids: 7.3 -> 1.9 us.)
     int64_t i = p.top_k;
     for (; i + kBlock <= n; i += kBlock)
-      if (any_above(&logits[static_cast<size_t>(i)], heap.front()))
+      if (any_passes(&logits[static_cast<size_t>(i)], heap.front(), std::greater<>()))
         for (int64_t j = i; j < i + kBlock; ++j) offer(j);
     for (; i < n; ++i) offer(i);
     const float kth = heap.front();
     // Keep every token whose logit is >= the k-th largest (ties at the boundary survive, as in HF).
     i = 0;
     for (; i + kBlock <= n; i += kBlock)
-      if (any_at_least(&logits[static_cast<size_t>(i)], kth))
+      if (any_passes(&logits[static_cast<size_t>(i)], kth, std::greater_equal<>()))
         for (int64_t j = i; j < i + kBlock; ++j)
           if (logits[static_cast<size_t>(j)] >= kth) ids.push_back(static_cast<int32_t>(j));
     for (; i < n; ++i)

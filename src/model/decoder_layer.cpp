@@ -1,5 +1,7 @@
 #include "model/decoder_layer.h"
 
+#include <algorithm>
+
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
 #include "model/attention.h"
@@ -50,6 +52,15 @@ void norm_and_logits(const ModelConfig& c, const cpu::WeightMatrix& lm_head, con
       cpu::matmul_prefix_last(lm_head, hidden.data(), T, logits.data(), next_prefix_rows);
       break;
   }
+}
+
+void logit_row_argmax(const std::vector<float>& logits, int64_t row_len, int64_t limit,
+                      std::vector<int32_t>& argmax) {
+  argmax.clear();
+  if (limit <= 0) return;
+  for (size_t r = 0; r < logits.size() / static_cast<size_t>(row_len); ++r)
+    argmax.push_back(
+        cpu::argmax_rows_kernel(&logits[r * static_cast<size_t>(row_len)], std::min(limit, row_len)));
 }
 
 }  // namespace mtpx

@@ -27,4 +27,9 @@ void norm_and_logits(const ModelConfig& config, const cpu::WeightMatrix& lm_head
                      const std::vector<float>& norm, const float* x, int64_t t_count, LogitRows rows,
                      std::vector<float>& hidden, std::vector<float>& logits, int64_t next_prefix_rows = 0);
 
+// argmax[r] = the argmax over ids < limit of logit row r ([rows, row_len] logits; cpu::argmax_rows_kernel,
+// the same index as cpu::argmax), for every row; empty when limit <= 0.
+void logit_row_argmax(const std::vector<float>& logits, int64_t row_len, int64_t limit,
+                      std::vector<int32_t>& argmax);
+
 }  // namespace mtpx

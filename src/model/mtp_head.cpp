@@ -65,11 +65,7 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
     model.fail_non_finite(fmt::format("in the MTP head's {} at positions {}..{}",
                                       rows == LogitRows::kNone ? "hidden states" : "logits", p0, p0 + T - 1));
-  result.argmax.clear();
-  if (argmax_limit > 0 && rows != LogitRows::kNone)
-    for (size_t r = 0; r < result.logits.size() / static_cast<size_t>(lm_head.rows); ++r)
-      result.argmax.push_back(cpu::argmax_rows_kernel(&result.logits[r * static_cast<size_t>(lm_head.rows)],
-                                                      std::min(argmax_limit, lm_head.rows)));
+  logit_row_argmax(result.logits, lm_head.rows, argmax_limit, result.argmax);
 }
 
 }  // namespace mtpx

@@ -101,11 +101,7 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
     fail_non_finite(fmt::format("{} at positions {}..{}",
                                 rows == LogitRows::kNone ? "hidden states" : "logits", p0, p0 + T - 1));
-  result.argmax.clear();
-  if (argmax_limit > 0 && rows != LogitRows::kNone)
-    for (size_t r = 0; r < result.logits.size() / static_cast<size_t>(c.vocab_size); ++r)
-      result.argmax.push_back(cpu::argmax_rows_kernel(&result.logits[r * static_cast<size_t>(c.vocab_size)],
-                                                      std::min(argmax_limit, c.vocab_size)));
+  logit_row_argmax(result.logits, c.vocab_size, argmax_limit, result.argmax);  // (no logits: none)
   if (record_window) state.set_window(p0, T);
   state.advance(T);
 }

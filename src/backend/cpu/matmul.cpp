@@ -938,20 +938,19 @@ void small_m_products(const KernelSet& set, std::span<const MatmulTarget> target
     const int t = omp_get_thread_num(), p = omp_get_num_threads();
     // The thread's share of the suffix, then its share of the prefix: the same share of the same chunks
     // that a product of the prefix alone gives it (matmul_prefix_last).
-    const Share suffix(suffix_chunks, t, p), prefix(n - suffix_chunks, t, p);
-    for (int64_t c = suffix.begin; c < suffix.end; ++c) {
-      const Chunk& chunk = chunks[static_cast<size_t>(c)];
-      rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
-    }
-    for (int64_t c = suffix_chunks + prefix.begin; c < suffix_chunks + prefix.end; ++c) {
-      const Chunk& chunk = chunks[static_cast<size_t>(c)];
-      rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
-    }
+    const Share shares[] = {Share(suffix_chunks, t, p), Share(n - suffix_chunks, t, p)};
+    const int64_t offsets[] = {0, suffix_chunks};
+    for (int part = 0; part < 2; ++part)
+      for (int64_t c = offsets[part] + shares[part].begin; c < offsets[part] + shares[part].end; ++c) {
+        const Chunk& chunk = chunks[static_cast<size_t>(c)];
+        rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
+      }
   }
 }
 
+// prefix_rows: see matmul_prefix_last (only the small-M kernels order their rows by it).
 void matmul_with(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKernel kernel,
-                 bool amx_gemm) {
+                 bool amx_gemm, int64_t prefix_rows = 0) {
   if (m <= 0 || w.rows <= 0) return;
   if (w.type == WeightType::kAffine) {
     affine_matmul(w, x, m, y);  // quant_matmul.cpp
@@ -976,7 +975,8 @@ void matmul_with(const WeightMatrix& w, const float* x, int64_t m, float* y, Mat
     kernel = MatmulKernel::kAvx512;
   }
   const MatmulTarget target{&w, y};
-  small_m_products(select_kernels(w.type, kernel), std::span<const MatmulTarget>(&target, 1), x, m);
+  small_m_products(select_kernels(w.type, kernel), std::span<const MatmulTarget>(&target, 1), x, m,
+                   prefix_rows > 0 && prefix_rows < w.rows ? prefix_rows : 0);
 }
 
 }  // namespace
@@ -1002,15 +1002,7 @@ void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
 }
 
 void matmul_prefix_last(const WeightMatrix& w, const float* x, int64_t m, float* y, int64_t prefix_rows) {
-  const MatmulKernel kernel = path();
-  if (prefix_rows <= 0 || prefix_rows >= w.rows || m >= kGemmMinRows || m <= 0 || w.cols == 0 ||
-      w.type == WeightType::kAffine || kernel == MatmulKernel::kAmx) {
-    matmul(w, x, m, y);
-    return;
-  }
-  const MatmulTarget target{&w, y};
-  small_m_products(select_kernels(w.type, kernel), std::span<const MatmulTarget>(&target, 1), x, m,
-                   prefix_rows);
+  matmul_with(w, x, m, y, path(), amx_prefill(), prefix_rows);
 }
 
 void matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, MatmulKernel kernel) {

@@ -89,7 +89,8 @@ __attribute__((target("avx2"))) inline __m256 exp_clamped8(__m256 x) {
 
 enum class Activation { kSwiglu, kSilu, kMulSigmoid, kExp };
 
-// out[i] = silu(a[i]) * b[i] (kSwiglu), silu(a[i]) (kSilu) or b[i] * sigmoid(a[i]) (kMulSigmoid).
+// out[i] = silu(a[i]) * b[i] (kSwiglu), silu(a[i]) (kSilu), b[i] * sigmoid(a[i]) (kMulSigmoid) or
+// e^(a[i] - b[0]) (kExp: b is one shift for every element).
 template <Activation A>
 inline float activation(float a, float b) {
   if constexpr (A == Activation::kExp) return exp_clamped(a - b);
