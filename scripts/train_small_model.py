@@ -10,6 +10,12 @@ script writes exactly 8 files directly into --out, so point --out at $OUT itself
     run(kind="nvidia-h200", timeout_s=600,
         command="PYTHONUNBUFFERED=1 python3 scripts/train_small_model.py --out $OUT --deadline-minutes 9.2")
 
+A model.safetensors over 16 MiB (e.g. --vocab 4096 --layers 12: 18.6 MiB) does not come back that way; write to a
+local folder and return it as a split tar (join the parts here with `cat model.tar.* | tar -xf -`):
+
+    command="PYTHONUNBUFFERED=1 python3 scripts/train_small_model.py --out /tmp/m --vocab 4096 --layers 12
+             --max-model-mib 19 --deadline-minutes 9.0; tar -C /tmp/m -cf - . | split -b 15000000 - $OUT/model.tar."
+
 One device command may run at most 10 minutes, so the whole script is driven by a wall-clock deadline
 (--deadline-minutes, counted from the script's start): data collection + tokenizer training + tokenization take
 ~0.5-1.5 min, training runs until `deadline - export reserve (--export-reserve-s, 45 s)`, then the final float32

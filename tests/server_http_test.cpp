@@ -84,7 +84,7 @@ TEST(HttpServer, GreedyCompletionEqualsGenerate) {
   GenerateOptions o;
   o.max_tokens = 24;
   o.sampler.temperature = 0.0;
-  o.stop_ids = {8191, 8189};
+  o.stop_ids = {*tokenizer.token_to_id("<|im_end|>"), *tokenizer.token_to_id("<|endoftext|>")};
   o.vocab_limit = tokenizer.vocab_size();
   auto want = generate(*model, tokenizer.encode("def add(a, b):"), o);
   auto r = shared_server().client().Post(

@@ -127,6 +127,47 @@ TEST(Tools, SynthWritesALoadableOfficialLayoutCheckpoint) {
   EXPECT_FALSE(fs::exists(dir.path() / "x"));
 }
 
+TEST(Tools, SynthCopiesTheShapeOfAConfigOrModelDirectory) {
+  TempDir dir;
+  // From the shipped model's directory: every tensor with the same name, shape and dtype, other values.
+  const fs::path like = dir.path() / "like";
+  const auto w = run("synth --shape " + kShipped.string() + " --mtp --out " + like.string());
+  ASSERT_EQ(w.code, 0) << w.err;
+  SafetensorsFile shipped(kShipped / "model.safetensors"), synth(like / "model.safetensors");
+  size_t compared = 0;
+  for (const auto& [name, info] : shipped.tensors()) {
+    if (name.starts_with("model.visual.")) continue;  // the text engine's checkpoints have no vision tower
+    const auto* t = synth.find(name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->shape, info.shape) << name;
+    EXPECT_EQ(t->dtype, info.dtype) << name;
+    ++compared;
+  }
+  EXPECT_EQ(synth.tensors().size(), compared);
+  // From a config.json whose shape is edited: 12 layers, the attention every 4th.
+  json config = read_json_file(kShipped / "config.json");
+  config["text_config"]["num_hidden_layers"] = 12;
+  json types = json::array();
+  for (int i = 0; i < 12; ++i) types.push_back((i + 1) % 4 == 0 ? "full_attention" : "linear_attention");
+  config["text_config"]["layer_types"] = types;
+  const fs::path edited = dir.path() / "edited.json";
+  tools::write_json_file(edited, config);
+  const fs::path deeper = dir.path() / "deeper";
+  ASSERT_EQ(run("synth --shape " + edited.string() + " --out " + deeper.string()).code, 0);
+  const json r = run_json("inspect " + deeper.string() + " --json");
+  EXPECT_EQ(r["shape"]["layers"], 12);
+  EXPECT_EQ(r["mtp"]["status"], "absent");
+  EXPECT_NE(SafetensorsFile(deeper / "model.safetensors")
+                .find("model.language_model.layers.11.self_attn.q_proj.weight"),
+            nullptr);
+  // A config that is not one names the file.
+  std::ofstream(dir.path() / "bad.json") << "{\"text_config\": 3}";
+  expect_usage_error(
+      "synth --shape " + (dir.path() / "bad.json").string() + " --out " + (dir.path() / "z").string(),
+      "bad.json");
+  EXPECT_FALSE(fs::exists(dir.path() / "z"));
+}
+
 TEST(Tools, BenchPairsPlainAndMtpAndSyntheticAcceptanceIsHonoured) {
   const json r = run_json("bench --max-tokens 24 --runs 1 --draft 2 --json");
   ASSERT_TRUE(r.contains("results"));

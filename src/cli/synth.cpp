@@ -1,10 +1,15 @@
 // mtpx synth: a randomly initialized checkpoint with a real Qwen3.5 shape (spec §9) in the official
 // layout (bf16), or in the MLX quantized layout (--bits 8|6|4), for benchmarks at real scale without a
-// download. There is no tokenizer: drive it with --prompt-ids.
+// download. There is no tokenizer: drive it with --prompt-ids. --shape also takes a config.json (or a model
+// directory holding one): the checkpoint then has that model's shape, e.g. to measure a recipe before
+// training it.
 #include <fmt/core.h>
+
+#include <filesystem>
 
 #include "cli/commands.h"
 #include "cli/common.h"
+#include "io/model_config.h"
 #include "model/shapes.h"
 #include "tools/checkpoint.h"
 #include "tools/progress.h"
@@ -24,9 +29,18 @@ struct SynthFlags {
   int threads = 0;
 };
 
+// A named shape (spec §9), or the shape of a config.json / a model directory's config.json.
+ModelConfig synth_shape(const std::string& shape) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(shape, ec)) return load_model_config(fs::path(shape) / "config.json");
+  if (fs::is_regular_file(shape, ec)) return load_model_config(shape);
+  return shape_config(shape);
+}
+
 int run_synth(const SynthFlags& f) {
   set_threads(f.threads);
-  ModelConfig config = shape_config(f.shape);
+  ModelConfig config = synth_shape(f.shape);
   config.mtp_num_hidden_layers = f.mtp ? 1 : 0;
   config.max_position_embeddings = 262144;
   tools::WriteOptions options;
@@ -56,7 +70,9 @@ int run_synth(const SynthFlags& f) {
 
 std::function<int()> add_synth_command(CLI::App& app) {
   auto f = std::make_shared<SynthFlags>();
-  app.add_option("--shape", f->shape, "0.8B, 2B, 4B, 9B, 27B or tiny")->required();
+  app.add_option("--shape", f->shape,
+                 "0.8B, 2B, 4B, 9B, 27B, tiny, or a config.json (or model directory) to copy the shape of")
+      ->required();
   app.add_option("--out", f->out, "output model directory (must not exist)")->required();
   app.add_option("--bits", f->bits, "16 (bf16), or 8, 6, 4 (MLX affine quantization)")
       ->check(CLI::IsMember({16, 8, 6, 4}));

@@ -35,7 +35,8 @@ ModelConfig shape_config(const std::string& shape) {
     const Shape* s = nullptr;
     for (const Shape& x : kShapes)
       if (shape == x.name) s = &x;
-    if (s == nullptr) invalid_input("unknown shape '{}' (expected tiny, 0.8B, 2B, 4B, 9B or 27B)", shape);
+    if (s == nullptr)
+      invalid_input("unknown shape '{}' (expected tiny, 0.8B, 2B, 4B, 9B, 27B or a config.json)", shape);
     c.vocab_size = 248320, c.hidden_size = s->hidden, c.intermediate_size = s->intermediate,
     c.num_layers = s->layers;
     c.num_attention_heads = s->nq, c.num_kv_heads = s->nkv, c.head_dim = 256;
