@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "backend/cpu/ops.h"
+#include "backend/cpu/quant_matmul.h"
 #include "cli_util.h"
 #include "decode/generate.h"
 #include "io/json_file.h"
@@ -265,10 +266,15 @@ TEST_P(CudaQuantized, LogitsVerifyWindowsAndGreedyMtpMatch) {
   const auto path = quantized(GetParam(), dir);
   MTPX_GPU_MODEL(gpu, path);
   const auto cpu = Model::load(path);
+  // The GPU computes in float like the CPU's float tiles. Where the CPU runs 4-bit rows with int8
+  // activations (quant_matmul.h; scripts/gpu_check.sh turns them off with MTPX_AFFINE_ACTIVATIONS=f32),
+  // its own logits move by up to 3.3% of the largest (measured on this model's 5-token prompts, 4-bit).
+  const bool int8_rows =
+      cpu::affine_default_kernel() == cpu::AffineKernel::kAvx512Vnni && GetParam().bits == 4;
   for (int64_t n : {5, 40}) {
     const auto prompt = prompt_for(*cpu, n);
     const auto [max_diff, max_abs] = logit_difference(*cpu, *gpu, prompt);
-    EXPECT_LT(max_diff / max_abs, 1e-2) << "prompt " << n;
+    EXPECT_LT(max_diff / max_abs, int8_rows && n < cpu::kGemmMinRows ? 6e-2 : 1e-2) << "prompt " << n;
   }
   // Verify windows against single steps: 5 rows (one launch of the row kernels) and 11 (two: 8 + 3).
   const int64_t V = gpu->config().vocab_size;

@@ -72,13 +72,52 @@ AffineMatrix make_affine(int64_t rows, int64_t cols, int bits, int64_t group_siz
 
 std::vector<AffineKernel> supported_kernels() {
   std::vector<AffineKernel> kernels;
-  for (AffineKernel k : {AffineKernel::kScalar, AffineKernel::kAvx2, AffineKernel::kAvx512})
+  for (AffineKernel k :
+       {AffineKernel::kScalar, AffineKernel::kAvx2, AffineKernel::kAvx512, AffineKernel::kAvx512Vnni})
     if (affine_kernel_supported(k)) kernels.push_back(k);
   return kernels;
 }
 
 const char* kernel_name(AffineKernel k) {
-  return k == AffineKernel::kAvx512 ? "avx512" : k == AffineKernel::kAvx2 ? "avx2" : "scalar";
+  return k == AffineKernel::kAvx512Vnni ? "avx512-vnni"
+         : k == AffineKernel::kAvx512   ? "avx512"
+         : k == AffineKernel::kAvx2     ? "avx2"
+                                        : "scalar";
+}
+
+// Whether kernel k runs w with int8 activations (quant_matmul.h: 4 bits, columns a multiple of 128).
+bool int8_activations(AffineKernel k, const WeightMatrix& w) {
+  return k == AffineKernel::kAvx512Vnni && w.bits == 4 && w.cols % 128 == 0;
+}
+
+// The bound quant_matmul.h gives for int8 activations, computed here from its definition: per run of 32
+// values of a row s = max|x| / 127, each x moves by at most s / 2, and it enters the scale term only:
+// sum_k |scale_g(k) * q_k| * s_k / 2.
+std::vector<double> int8_activation_bound(const WeightMatrix& w, const std::vector<float>& x, int64_t m) {
+  std::vector<double> bound(static_cast<size_t>(m * w.rows));
+  const int64_t groups = w.cols / w.group_size;
+  for (int64_t r = 0; r < m; ++r) {
+    std::vector<double> half_step(static_cast<size_t>(w.cols));
+    for (int64_t k0 = 0; k0 < w.cols; k0 += 32) {
+      double peak = 0;
+      for (int64_t k = k0; k < k0 + 32; ++k)
+        peak = std::max(peak, std::abs(double{x[static_cast<size_t>(r * w.cols + k)]}));
+      for (int64_t k = k0; k < k0 + 32; ++k) half_step[static_cast<size_t>(k)] = peak / 127.0 / 2.0;
+    }
+    for (int64_t o = 0; o < w.rows; ++o) {
+      double b = 0;
+      for (int64_t k = 0; k < w.cols; ++k) {
+        const size_t g = static_cast<size_t>(o * groups + k / w.group_size);
+        const double scale = w.scale_type == WeightType::kF32 ? static_cast<const float*>(w.scales)[g]
+                             : w.scale_type == WeightType::kBF16
+                                 ? bf16_to_f32(static_cast<const uint16_t*>(w.scales)[g])
+                                 : f16_to_f32(static_cast<const uint16_t*>(w.scales)[g]);
+        b += std::abs(scale * affine_code(w, o, k)) * half_step[static_cast<size_t>(k)];
+      }
+      bound[static_cast<size_t>(r * w.rows + o)] = b;
+    }
+  }
+  return bound;
 }
 
 // sum_k |x[r, k] * w[o, k]| with the dequantized weights: the scale of y[r, o]'s rounding error.
@@ -120,19 +159,22 @@ TEST_P(QuantMatmulTest, MatchesDoubleReference) {
         std::vector<float> ref(static_cast<size_t>(m * rows));
         matmul_reference(a.view, x.data(), m, ref.data());
         const auto tolerance = abs_product_sums(a.view, x, m);
-        auto check = [&](const std::vector<float>& y, const char* what) {
+        const auto int8_bound = int8_activation_bound(a.view, x, m);
+        auto check = [&](const std::vector<float>& y, AffineKernel k, const char* what) {
+          const bool int8 = int8_activations(k, a.view);
           for (size_t i = 0; i < y.size(); ++i)
-            ASSERT_LE(std::abs(static_cast<double>(y[i]) - ref[i]), 1e-5 * tolerance[i] + 1e-30)
+            ASSERT_LE(std::abs(static_cast<double>(y[i]) - ref[i]),
+                      1e-5 * tolerance[i] + (int8 ? int8_bound[i] : 0.0) + 1e-30)
                 << what << " bits=" << bits << " group=" << group_size << " rows=" << rows << " cols=" << cols
                 << " m=" << m << " i=" << i << " y=" << y[i] << " ref=" << ref[i];
         };
         std::vector<float> y(ref.size());
         matmul(a.view, x.data(), m, y.data());  // through matmul.h's dispatch
-        check(y, "matmul");
+        check(y, affine_default_kernel(), "matmul");
         for (AffineKernel k : supported_kernels()) {
           std::fill(y.begin(), y.end(), NAN);
           affine_matmul(a.view, x.data(), m, y.data(), k);
-          check(y, kernel_name(k));
+          check(y, k, kernel_name(k));
         }
       }
     }
@@ -167,6 +209,41 @@ TEST_P(QuantMatmulTest, BatchInvariantBitwise) {
           }
       }
       omp_set_num_threads(saved_threads);
+    }
+  }
+}
+
+// The int8 tiles' arithmetic apart from the activation rounding: activations that int8 holds exactly (whole
+// numbers in [-127, 127], each run of 32 reaching +-127, so s = 1) give the float result, while general
+// activations do move the result (the int8 path really runs) and stay within the bound.
+TEST(QuantMatmul, Int8ActivationsAreExactOnIntegersAndBoundedOtherwise) {
+  if (!affine_kernel_supported(AffineKernel::kAvx512Vnni)) GTEST_SKIP() << "no AVX-512 VNNI here";
+  for (int64_t group_size : {32, 64, 128}) {
+    const int64_t rows = 45, cols = 640, m = 3;
+    AffineMatrix a = make_affine(rows, cols, 4, group_size, WeightType::kBF16, 21);
+    std::mt19937 rng(5);
+    std::uniform_int_distribution<int> whole(-127, 127);
+    std::vector<float> integers(static_cast<size_t>(m * cols));
+    for (size_t i = 0; i < integers.size(); ++i)
+      integers[i] = i % 32 == 7 ? (i % 64 == 7 ? 127.0f : -127.0f) : static_cast<float>(whole(rng));
+    const auto general = normal_values(static_cast<size_t>(m * cols), 6);
+    for (const std::vector<float>* x : {static_cast<const std::vector<float>*>(&integers), &general}) {
+      std::vector<double> ref(static_cast<size_t>(m * rows));
+      std::vector<float> ref_f(ref.size()), y(ref.size());
+      matmul_reference(a.view, x->data(), m, ref_f.data());
+      affine_matmul(a.view, x->data(), m, y.data(), AffineKernel::kAvx512Vnni);
+      const auto tolerance = abs_product_sums(a.view, *x, m);
+      const auto bound = int8_activation_bound(a.view, *x, m);
+      double worst_excess = 0;  // the largest error beyond the float kernels' tolerance
+      for (size_t i = 0; i < y.size(); ++i) {
+        const double err = std::abs(static_cast<double>(y[i]) - ref_f[i]);
+        worst_excess = std::max(worst_excess, err / (1e-5 * tolerance[i]));
+        ASSERT_LE(err, 1e-5 * tolerance[i] + (x == &general ? bound[i] : 0.0))
+            << "group=" << group_size << " i=" << i << (x == &general ? " general" : " integers");
+      }
+      if (x == &general) {
+        EXPECT_GT(worst_excess, 10.0) << "the int8 path did not round the activations";
+      }
     }
   }
 }

@@ -11,6 +11,7 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string_view>
 #include <type_traits>
@@ -99,6 +100,10 @@ struct AffineCall {
   const float* x = nullptr;            // [m, cols], in the lane order of the tiles (see arrange_x)
   const float* xsum = nullptr;         // [m, xsum_stride]: sum(x_g), zero past `groups`
   int64_t xsum_stride = 0;
+  // kAvx512Vnni only: x quantized to int8 (see quantize_activations), [m, cols], and the scale of each run
+  // of kActivationBlock values, [m, cols / kActivationBlock].
+  const int8_t* xq = nullptr;
+  const float* xq_scale = nullptr;
 };
 
 // The `bytes` packed bytes at byte offset `offset` of weight row `row`, or a padded copy of them when a SIMD
@@ -620,6 +625,128 @@ MTPX_AVX512 void affine_tile_avx512(const AffineCall& c, int64_t m0, int64_t o0,
   }
 }
 
+// AVX-512 VNNI, 4 bits, int8 activations (the products are then integer dot products: vpdpbusd multiplies
+// 64 unsigned codes by 64 signed activations and adds them in groups of 4 into 16 int32 lanes, where the
+// float tiles above spend an and, a conversion and an FMA on every 16 codes). Per run of kActivationBlock
+// (32) values of a row, x is quantized as s = max|x| / 127, xq = x * (1 / s) rounded (quantize_activations),
+// so each value moves by at most s / 2. The equation is the float one with x replaced by s * xq in the scale
+// term only:
+//   y = sum_g ( bias_g * sum(x_g) + scale_g * sum_k q_k * s_k * xq_k )
+// The bias term uses the float sums of x as before. A block of 128 codes (64 bytes of a weight row) gives
+// two vectors of bytes: the low nibbles, codes 0, 2, ..., 126, and the high nibbles, codes 1, 3, ..., 127;
+// xq is stored in the same order (even codes, then odd codes, per block). Lane j then sums codes 8j..8j+7,
+// all in group 8j / group_size and in activation run j / 4: the integer sums are exact, and each lane is
+// scaled once per block by scale * s of its group and run. Every (row, output) runs the same operations in
+// the same order whatever the tile, so batch invariance holds as for the float tiles.
+#define MTPX_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+constexpr int64_t kActivationBlock = 32;
+constexpr int64_t kVnniBlock = 128;  // codes per block
+
+template <int NR, int NO>
+MTPX_AVX512_VNNI void affine_tile_vnni4(const AffineCall& c, int64_t m0, int64_t o0, float* y) {
+  const WeightMatrix& w = *c.w;
+  const int64_t cols = w.cols, groups = c.groups;
+  const int64_t block_groups = std::max<int64_t>(1, kVnniBlock / w.group_size);
+  const int64_t runs_per_row = cols / kActivationBlock;
+  const TileRows<NO> rows(c, o0);
+  alignas(64) float scale[NO][kGroupChunk + 16];  // + 16: a block's scales are read as one vector
+  alignas(64) float bias[NO][kGroupChunk];
+  __m512 acc[NR][NO];
+  for (int r = 0; r < NR; ++r)
+    for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
+  const __m512i lane_group =
+      _mm512_srlv_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120),
+                        _mm512_set1_epi32(std::countr_zero(static_cast<uint64_t>(w.group_size))));
+  const __m512i lane_run = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t g0 = 0; g0 < groups; g0 += kGroupChunk) {  // kGroupChunk is a multiple of block_groups
+    const int64_t chunk = std::min(kGroupChunk, groups - g0);
+    for (int o = 0; o < NO; ++o) {
+      params_to_f32(w.scales, w.scale_type, rows.row[o] * groups + g0, chunk, scale[o]);
+      std::fill(scale[o] + kGroupChunk, scale[o] + kGroupChunk + 16, 0.0f);
+      params_to_f32(w.biases, w.scale_type, rows.row[o] * groups + g0, chunk, bias[o]);
+    }
+    for (int64_t v = 0; v < chunk; v += 16)
+      for (int r = 0; r < NR; ++r) {
+        const __m512 xsum = _mm512_loadu_ps(c.xsum + (m0 + r) * c.xsum_stride + g0 + v);
+        for (int o = 0; o < NO; ++o)
+          acc[r][o] = _mm512_fmadd_ps(_mm512_load_ps(&bias[o][v]), xsum, acc[r][o]);
+      }
+    for (int64_t g = g0; g < g0 + chunk; g += block_groups) {
+      const int64_t k0 = g * w.group_size;  // first code of the block
+      rows.prefetch_lines(k0 / 2, (k0 + kVnniBlock) / 2);
+      __m512i even[NO], odd[NO];
+      for (int o = 0; o < NO; ++o) {
+        const __m512i raw = _mm512_loadu_si512(rows.codes[o] + k0 / 2);
+        even[o] = _mm512_and_si512(raw, low_nibbles);
+        odd[o] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles);
+      }
+      __m512 sv[NO];
+      for (int o = 0; o < NO; ++o)
+        sv[o] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(&scale[o][g - g0]));
+      for (int r = 0; r < NR; ++r) {
+        const int8_t* xr = c.xq + (m0 + r) * cols + k0;
+        const __m512i x_even = _mm512_loadu_si512(xr), x_odd = _mm512_loadu_si512(xr + kVnniBlock / 2);
+        const __m512 run_scale = _mm512_permutexvar_ps(
+            lane_run, _mm512_castps128_ps512(
+                          _mm_loadu_ps(c.xq_scale + (m0 + r) * runs_per_row + k0 / kActivationBlock)));
+        for (int o = 0; o < NO; ++o) {
+          const __m512i dot = _mm512_dpbusd_epi32(
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), even[o], x_even), odd[o], x_odd);
+          acc[r][o] = _mm512_fmadd_ps(_mm512_mul_ps(sv[o], run_scale), _mm512_cvtepi32_ps(dot), acc[r][o]);
+        }
+      }
+    }
+  }
+  for (int o = 0; o < NO; ++o) {
+    if (o0 + o >= w.rows) break;
+    for (int r = 0; r < NR; ++r) y[(m0 + r) * w.rows + o0 + o] = _mm512_reduce_add_ps(acc[r][o]);
+  }
+}
+
+// v * inverse rounded to the nearest integer, even on ties (the MXCSR default), as int32 in [-127, 127]
+// (|x| * (1 / s) may exceed 127 by a rounding).
+MTPX_AVX512_VNNI inline __m512i to_int8_range(__m512 v, __m512 inverse) {
+  const __m512i limit = _mm512_set1_epi32(127);
+  return _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)), limit),
+                          _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+}
+
+// x [m, cols] (cols a multiple of kVnniBlock) as int8 for the VNNI tiles: per run of kActivationBlock values
+// s = max|x| / 127 and xq = x * (1 / s) rounded to nearest even (|xq| <= 127; s = 0 and xq = 0 for a run of
+// zeros), stored per block of 128 values as the even-indexed values, then the odd-indexed ones.
+MTPX_AVX512_VNNI void quantize_activations(const float* x, int64_t m, int64_t cols, int8_t* xq,
+                                           float* scales) {
+  const int64_t runs = cols / kActivationBlock;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * cols;
+    int8_t* qr = xq + r * cols;
+    for (int64_t b = 0; b < runs; ++b) {
+      const __m512 lo = _mm512_loadu_ps(xr + b * kActivationBlock);
+      const __m512 hi = _mm512_loadu_ps(xr + b * kActivationBlock + 16);
+      const float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      // A run below 1e-30 counts as zeros: 1 / s could overflow (and its products are far below any
+      // rounding of the rest of the row). NaN and Inf propagate: s is then NaN or Inf, and s * xq non-finite.
+      const bool zeros = peak < 1e-30f;
+      const float scale = zeros ? 0.0f : peak / 127.0f;
+      scales[r * runs + b] = scale;
+      const __m512 inverse = _mm512_set1_ps(zeros ? 0.0f : 1.0f / scale);
+      const __m512i qlo = to_int8_range(lo, inverse), qhi = to_int8_range(hi, inverse);
+      // Run b is values [32b, 32b + 32) of block b / 4, i.e. its 16 even values go to bytes 16 (b % 4) of
+      // the block's even half, its 16 odd values to the same bytes of the odd half.
+      int8_t* block = qr + (b / 4) * kVnniBlock + (b % 4) * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block),
+                       _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qlo, even, qhi)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block + kVnniBlock / 2),
+                       _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qlo, odd, qhi)));
+    }
+  }
+}
+
+#undef MTPX_AVX512_VNNI
 #undef MTPX_AVX512
 
 // ---------------------------------------------------------------------------------------------
@@ -713,7 +840,22 @@ const AffineTiles& avx512_tiles() {
   return t;
 }
 
+// The VNNI tiles (4 bits, int8 activations) in the AVX-512 float tiles' shapes.
+const AffineTiles& vnni4_tiles() {
+  static const AffineTiles t{
+      nullptr, affine_tile_vnni4<1, 8>,
+      8,       affine_tile_vnni4<2, 4>,
+      4,       {affine_tile_vnni4<1, 4>, affine_tile_vnni4<2, 4>, affine_tile_vnni4<3, 4>},
+      4};
+  return t;
+}
+
+// Whether kAvx512Vnni runs w on the int8 tiles; other matrices take kAvx512's float tiles.
+bool vnni_applies(const WeightMatrix& w) { return w.bits == 4 && w.cols % kVnniBlock == 0; }
+
 const AffineTiles* tiles_for(AffineKernel kernel, int bits, int64_t group_size) {
+  if (kernel == AffineKernel::kAvx512Vnni)
+    kernel = AffineKernel::kAvx512;  // the matrices it does not apply to
   if (kernel == AffineKernel::kAvx2) {
     switch (bits) {
       case 2:
@@ -749,9 +891,15 @@ const AffineTiles* tiles_for(AffineKernel kernel, int bits, int64_t group_size) 
 }
 
 AffineKernel detect_kernel() {
-  // The same choice as the float kernels (simd_path()), so that one process uses one family throughout.
+  // The same choice as the float kernels (simd_path()), so that one process uses one family throughout;
+  // with AVX-512, int8 activations where the CPU has VNNI unless MTPX_AFFINE_ACTIVATIONS=f32.
   const std::string_view path = simd_path();
-  if (path == "avx512" || path == "amx") return AffineKernel::kAvx512;
+  if (path == "avx512" || path == "amx") {
+    const char* activations = std::getenv("MTPX_AFFINE_ACTIVATIONS");
+    const bool f32 = activations != nullptr && std::string_view(activations) == "f32";
+    return !f32 && affine_kernel_supported(AffineKernel::kAvx512Vnni) ? AffineKernel::kAvx512Vnni
+                                                                      : AffineKernel::kAvx512;
+  }
   if (path == "avx2" && affine_kernel_supported(AffineKernel::kAvx2)) return AffineKernel::kAvx2;
   return AffineKernel::kScalar;
 }
@@ -884,6 +1032,8 @@ bool affine_kernel_supported(AffineKernel kernel) {
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
+    case AffineKernel::kAvx512Vnni:
+      return affine_kernel_supported(AffineKernel::kAvx512) && __builtin_cpu_supports("avx512vnni");
     case AffineKernel::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
@@ -911,14 +1061,24 @@ void affine_matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, A
   const int64_t groups = w.cols / w.group_size, xsum_stride = (groups + 15) / 16 * 16;
   xsum.resize(static_cast<size_t>(m * xsum_stride));
   group_sums(x, m, w.cols, w.group_size, xsum_stride, xsum.data());
-  const AffineTiles* tiles = tiles_for(kernel, w.bits, w.group_size);
+  const bool int8 = kernel == AffineKernel::kAvx512Vnni && vnni_applies(w);
+  const AffineTiles* tiles = int8 ? &vnni4_tiles() : tiles_for(kernel, w.bits, w.group_size);
   thread_local std::vector<float> arranged;
   if (tiles != nullptr && tiles->arrange != nullptr) {
     arranged.resize(static_cast<size_t>(m * w.cols));
     tiles->arrange(x, m, w.cols, w.group_size, arranged.data());
     x = arranged.data();
   }
-  const AffineCall call = make_call(w, x, xsum.data(), xsum_stride);
+  AffineCall call = make_call(w, x, xsum.data(), xsum_stride);
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xq_scale;
+  if (int8) {
+    xq.resize(static_cast<size_t>(m * w.cols));
+    xq_scale.resize(static_cast<size_t>(m * w.cols / kActivationBlock));
+    quantize_activations(x, m, w.cols, xq.data(), xq_scale.data());
+    call.xq = xq.data();
+    call.xq_scale = xq_scale.data();
+  }
   // Small products are not worth waking the thread team.
   const bool parallel = w.rows * w.cols * m >= (int64_t{1} << 15);
   if (tiles == nullptr) {
@@ -947,6 +1107,8 @@ void affine_matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, A
 void affine_matmul(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   affine_matmul(w, x, m, y, default_kernel());
 }
+
+AffineKernel affine_default_kernel() { return default_kernel(); }
 
 void affine_matmul_reference(const WeightMatrix& w, const float* x, int64_t m, float* y) {
   check_affine(w);

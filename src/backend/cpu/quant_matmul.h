@@ -48,8 +48,16 @@ void check_affine(const WeightMatrix& w);
 
 // The kernel families. matmul() uses the one simd_path() names; tests run every one this CPU supports
 // (each is batch-invariant on its own; they differ from one another in the last bits).
-enum class AffineKernel { kAvx512, kAvx2, kScalar };
+// kAvx512Vnni: for 4-bit matrices whose columns are a multiple of 128, the activations are quantized to
+// int8 per run of 32 values (s = max|x| / 127, xq = x * (1 / s) rounded to nearest) and the scale term of
+// each group is an integer dot product (vpdpbusd); y then differs from the float kernels by at most sum_k
+// |scale_g(k) * q_k| * s_k / 2. Other matrices run kAvx512's float tiles. matmul() uses it where the CPU has
+// AVX-512 VNNI, unless the environment sets MTPX_AFFINE_ACTIVATIONS=f32.
+enum class AffineKernel { kAvx512Vnni, kAvx512, kAvx2, kScalar };
 bool affine_kernel_supported(AffineKernel kernel);
+
+// The family matmul() uses in this process.
+AffineKernel affine_default_kernel();
 
 // matmul() for kAffine with a given kernel family (m >= kGemmMinRows always takes the sgemm path).
 void affine_matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, AffineKernel kernel);
