@@ -537,6 +537,40 @@ MTPX_AVX512 inline __m512 codes16_avx512(const uint8_t* p) {
   }
 }
 
+// Lane j of a block of 128 codes (16 lanes of 8) is in its group 8j / group_size.
+MTPX_AVX512 inline __m512i lane_groups_avx512(int64_t group_size) {
+  return _mm512_srlv_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120),
+                           _mm512_set1_epi32(std::countr_zero(static_cast<uint64_t>(group_size))));
+}
+
+// The scales and biases of a tile's NO rows for one chunk of groups, as float32.
+template <int NO>
+struct ChunkParams {
+  alignas(64) float scale[NO][kGroupChunk + 16];  // + 16: a block's scales are read as one vector
+  alignas(64) float bias[NO][kGroupChunk];
+
+  // Converts the chunk [g0, g0 + chunk) and adds its bias term, acc += bias[o, g..g+15] * sum(x_g..g+15),
+  // for the NR activation rows from m0.
+  template <int NR>
+  MTPX_AVX512 inline __attribute__((always_inline)) void begin_chunk(const AffineCall& c,
+                                                                     const TileRows<NO>& rows, int64_t m0,
+                                                                     int64_t g0, int64_t chunk,
+                                                                     __m512 (&acc)[NR][NO]) {
+    const WeightMatrix& w = *c.w;
+    for (int o = 0; o < NO; ++o) {
+      params_to_f32(w.scales, w.scale_type, rows.row[o] * c.groups + g0, chunk, scale[o]);
+      std::fill(scale[o] + kGroupChunk, scale[o] + kGroupChunk + 16, 0.0f);
+      params_to_f32(w.biases, w.scale_type, rows.row[o] * c.groups + g0, chunk, bias[o]);
+    }
+    for (int64_t v = 0; v < chunk; v += 16)
+      for (int r = 0; r < NR; ++r) {
+        const __m512 xsum = _mm512_loadu_ps(c.xsum + (m0 + r) * c.xsum_stride + g0 + v);
+        for (int o = 0; o < NO; ++o)
+          acc[r][o] = _mm512_fmadd_ps(_mm512_load_ps(&bias[o][v]), xsum, acc[r][o]);
+      }
+  }
+};
+
 template <int BITS, int NR, int NO>
 MTPX_AVX512 void affine_tile_avx512(const AffineCall& c, int64_t m0, int64_t o0, float* y) {
   const WeightMatrix& w = *c.w;
@@ -548,28 +582,15 @@ MTPX_AVX512 void affine_tile_avx512(const AffineCall& c, int64_t m0, int64_t o0,
   const int64_t block_groups_end = kNibbles ? cols / Nibbles128::kCodes * Nibbles128::kCodes / group_size : 0;
   const TileRows<NO> rows(c, o0);
   alignas(64) uint8_t padded[NO][kMaxGroupBytes + kOverread];
-  alignas(64) float scale[NO][kGroupChunk + 16];  // + 16: a block's scales are read as one vector
-  alignas(64) float bias[NO][kGroupChunk];
+  ChunkParams<NO> params;
   __m512 acc[NR][NO];
   for (int r = 0; r < NR; ++r)
     for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
-  // Lane j of a block is in its group 8j / group_size.
-  const __m512i lane_group =
-      _mm512_srlv_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120),
-                        _mm512_set1_epi32(std::countr_zero(static_cast<uint64_t>(group_size))));
+  const __m512i lane_group = lane_groups_avx512(group_size);
   for (int64_t g0 = 0; g0 < groups; g0 += kGroupChunk) {  // kGroupChunk is a multiple of block_groups
     const int64_t chunk = std::min(kGroupChunk, groups - g0);
-    for (int o = 0; o < NO; ++o) {
-      params_to_f32(w.scales, w.scale_type, rows.row[o] * groups + g0, chunk, scale[o]);
-      std::fill(scale[o] + kGroupChunk, scale[o] + kGroupChunk + 16, 0.0f);
-      params_to_f32(w.biases, w.scale_type, rows.row[o] * groups + g0, chunk, bias[o]);
-    }
-    for (int64_t v = 0; v < chunk; v += 16)
-      for (int r = 0; r < NR; ++r) {
-        const __m512 xsum = _mm512_loadu_ps(c.xsum + (m0 + r) * c.xsum_stride + g0 + v);
-        for (int o = 0; o < NO; ++o)
-          acc[r][o] = _mm512_fmadd_ps(_mm512_load_ps(&bias[o][v]), xsum, acc[r][o]);
-      }
+    params.template begin_chunk<NR>(c, rows, m0, g0, chunk, acc);
+    auto& scale = params.scale;
     for (int64_t g = g0; g < g0 + chunk;) {
       const bool block = g < block_groups_end;
       const int64_t n = block ? block_groups : 1;  // groups in this step
@@ -650,29 +671,17 @@ MTPX_AVX512_VNNI void affine_tile_vnni4(const AffineCall& c, int64_t m0, int64_t
   const int64_t block_groups = std::max<int64_t>(1, kVnniBlock / w.group_size);
   const int64_t runs_per_row = cols / kActivationBlock;
   const TileRows<NO> rows(c, o0);
-  alignas(64) float scale[NO][kGroupChunk + 16];  // + 16: a block's scales are read as one vector
-  alignas(64) float bias[NO][kGroupChunk];
+  ChunkParams<NO> params;
   __m512 acc[NR][NO];
   for (int r = 0; r < NR; ++r)
     for (int o = 0; o < NO; ++o) acc[r][o] = _mm512_setzero_ps();
-  const __m512i lane_group =
-      _mm512_srlv_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120),
-                        _mm512_set1_epi32(std::countr_zero(static_cast<uint64_t>(w.group_size))));
+  const __m512i lane_group = lane_groups_avx512(w.group_size);
   const __m512i lane_run = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   for (int64_t g0 = 0; g0 < groups; g0 += kGroupChunk) {  // kGroupChunk is a multiple of block_groups
     const int64_t chunk = std::min(kGroupChunk, groups - g0);
-    for (int o = 0; o < NO; ++o) {
-      params_to_f32(w.scales, w.scale_type, rows.row[o] * groups + g0, chunk, scale[o]);
-      std::fill(scale[o] + kGroupChunk, scale[o] + kGroupChunk + 16, 0.0f);
-      params_to_f32(w.biases, w.scale_type, rows.row[o] * groups + g0, chunk, bias[o]);
-    }
-    for (int64_t v = 0; v < chunk; v += 16)
-      for (int r = 0; r < NR; ++r) {
-        const __m512 xsum = _mm512_loadu_ps(c.xsum + (m0 + r) * c.xsum_stride + g0 + v);
-        for (int o = 0; o < NO; ++o)
-          acc[r][o] = _mm512_fmadd_ps(_mm512_load_ps(&bias[o][v]), xsum, acc[r][o]);
-      }
+    params.template begin_chunk<NR>(c, rows, m0, g0, chunk, acc);
+    auto& scale = params.scale;
     for (int64_t g = g0; g < g0 + chunk; g += block_groups) {
       const int64_t k0 = g * w.group_size;  // first code of the block
       rows.prefetch_lines(k0 / 2, (k0 + kVnniBlock) / 2);
