@@ -7,6 +7,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "backend/cpu/matmul.h"
+#include "backend/cpu/quant_matmul.h"
 #include "cli_util.h"
 #include "io/model_config.h"
 #include "io/safetensors.h"
@@ -320,6 +322,37 @@ double top1_agreement(const Model& a, const Model& b, const std::vector<int32_t>
   int64_t same = 0;
   for (size_t i = 0; i < x.size(); ++i) same += x[i] == y[i];
   return static_cast<double>(same) / static_cast<double>(x.size());
+}
+
+// MTPX_AFFINE_ACTIVATIONS (quant_matmul.h): f32 keeps float activations in the 4-bit row kernels, int8 (the
+// default) quantizes them where the CPU has AVX-512 VNNI, anything else is a usage error.
+TEST(Tools, AffineActivationsEnvironmentChoosesTheRowKernels) {
+  TempDir dir;
+  const fs::path q4 = dir.path() / "q4";
+  ASSERT_EQ(run("quantize --out " + q4.string() + " --bits 4").code, 0);
+  auto logits_with = [&](const char* value) {
+    if (value != nullptr) setenv("MTPX_AFFINE_ACTIVATIONS", value, 1);
+    const fs::path out = dir.path() / (std::string("logits_") + (value ? value : "default") + ".safetensors");
+    const auto r =
+        run("logits --model " + q4.string() + " --prompt-ids 11,200,31,400,5 --out " + out.string());
+    unsetenv("MTPX_AFFINE_ACTIVATIONS");
+    EXPECT_EQ(r.code, 0) << r.err;
+    SafetensorsFile file(out);
+    const TensorView& t = *file.find("logits");
+    return std::vector<std::byte>(t.data, t.data + t.nbytes);
+  };
+  const auto by_default = logits_with(nullptr), int8 = logits_with("int8"), f32 = logits_with("f32");
+  EXPECT_EQ(by_default, int8);
+  const std::string simd = cpu::simd_path();
+  if (cpu::affine_kernel_supported(cpu::AffineKernel::kAvx512Vnni) && (simd == "avx512" || simd == "amx")) {
+    EXPECT_NE(int8, f32);  // 5 rows: the row kernels, not the prompt path
+  } else {
+    EXPECT_EQ(int8, f32);
+  }
+  setenv("MTPX_AFFINE_ACTIVATIONS", "fp32", 1);
+  expect_usage_error("generate --model " + q4.string() + " --prompt-ids 1,2 --max-tokens 2",
+                     "MTPX_AFFINE_ACTIVATIONS");
+  unsetenv("MTPX_AFFINE_ACTIVATIONS");
 }
 
 TEST(Tools, QuantizeKeepsTheHeadAndGreedyMtpStaysLossless) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <random>
 
+#include "backend/cpu/quant_matmul.h"
 #include "io/safetensors.h"
 #include "util/bf16.h"
 #include "util/error.h"
@@ -76,6 +77,9 @@ class Resolver {
     const int64_t group = cols / scales->shape[1];
     if (group < 8 || (group * bits) % 32 != 0)
       invalid_input("quantized tensor '{}' has group size {}, which is not supported", name, group);
+    // The affine kernel family is chosen once per process (MTPX_AFFINE_ACTIVATIONS, quant_matmul.h): a bad
+    // value is a load error here, not one in the middle of a forward pass.
+    cpu::affine_default_kernel();
     cpu::WeightMatrix w{cpu::WeightType::kAffine, codes.data, rows, cols};
     w.bits = static_cast<int>(bits);
     w.group_size = group;

@@ -903,11 +903,13 @@ AffineKernel detect_kernel() {
   // The same choice as the float kernels (simd_path()), so that one process uses one family throughout;
   // with AVX-512, int8 activations where the CPU has VNNI unless MTPX_AFFINE_ACTIVATIONS=f32.
   const std::string_view path = simd_path();
+  const char* activations = std::getenv("MTPX_AFFINE_ACTIVATIONS");
+  const std::string_view choice = activations != nullptr ? activations : "";
+  if (!choice.empty() && choice != "int8" && choice != "f32")
+    invalid_input("MTPX_AFFINE_ACTIVATIONS='{}': expected int8 or f32", choice);
   if (path == "avx512" || path == "amx") {
-    const char* activations = std::getenv("MTPX_AFFINE_ACTIVATIONS");
-    const bool f32 = activations != nullptr && std::string_view(activations) == "f32";
-    return !f32 && affine_kernel_supported(AffineKernel::kAvx512Vnni) ? AffineKernel::kAvx512Vnni
-                                                                      : AffineKernel::kAvx512;
+    return choice != "f32" && affine_kernel_supported(AffineKernel::kAvx512Vnni) ? AffineKernel::kAvx512Vnni
+                                                                                 : AffineKernel::kAvx512;
   }
   if (path == "avx2" && affine_kernel_supported(AffineKernel::kAvx2)) return AffineKernel::kAvx2;
   return AffineKernel::kScalar;
