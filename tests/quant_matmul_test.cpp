@@ -72,8 +72,8 @@ AffineMatrix make_affine(int64_t rows, int64_t cols, int bits, int64_t group_siz
 
 std::vector<AffineKernel> supported_kernels() {
   std::vector<AffineKernel> kernels;
-  for (AffineKernel k :
-       {AffineKernel::kScalar, AffineKernel::kAvx2, AffineKernel::kAvx512, AffineKernel::kAvx512Vnni})
+  for (AffineKernel k : {AffineKernel::kScalar, AffineKernel::kAvx2, AffineKernel::kAvx2Int8,
+                         AffineKernel::kAvx512, AffineKernel::kAvx512Vnni})
     if (affine_kernel_supported(k)) kernels.push_back(k);
   return kernels;
 }
@@ -81,13 +81,14 @@ std::vector<AffineKernel> supported_kernels() {
 const char* kernel_name(AffineKernel k) {
   return k == AffineKernel::kAvx512Vnni ? "avx512-vnni"
          : k == AffineKernel::kAvx512   ? "avx512"
+         : k == AffineKernel::kAvx2Int8 ? "avx2-int8"
          : k == AffineKernel::kAvx2     ? "avx2"
                                         : "scalar";
 }
 
 // Whether kernel k runs w with int8 activations (quant_matmul.h: 4 bits, columns a multiple of 128).
 bool int8_activations(AffineKernel k, const WeightMatrix& w) {
-  return k == AffineKernel::kAvx512Vnni && w.bits == 4 && w.cols % 128 == 0;
+  return (k == AffineKernel::kAvx512Vnni || k == AffineKernel::kAvx2Int8) && w.bits == 4 && w.cols % 128 == 0;
 }
 
 // The bound quant_matmul.h gives for int8 activations, computed here from its definition: per run of 32
@@ -217,35 +218,41 @@ TEST_P(QuantMatmulTest, BatchInvariantBitwise) {
 // numbers in [-127, 127], each run of 32 reaching +-127, so s = 1) give the float result, while general
 // activations do move the result (the int8 path really runs) and stay within the bound.
 TEST(QuantMatmul, Int8ActivationsAreExactOnIntegersAndBoundedOtherwise) {
-  if (!affine_kernel_supported(AffineKernel::kAvx512Vnni)) GTEST_SKIP() << "no AVX-512 VNNI here";
-  for (int64_t group_size : {32, 64, 128}) {
-    const int64_t rows = 45, cols = 640, m = 3;
-    AffineMatrix a = make_affine(rows, cols, 4, group_size, WeightType::kBF16, 21);
-    std::mt19937 rng(5);
-    std::uniform_int_distribution<int> whole(-127, 127);
-    std::vector<float> integers(static_cast<size_t>(m * cols));
-    for (size_t i = 0; i < integers.size(); ++i)
-      integers[i] = i % 32 == 7 ? (i % 64 == 7 ? 127.0f : -127.0f) : static_cast<float>(whole(rng));
-    const auto general = normal_values(static_cast<size_t>(m * cols), 6);
-    for (const std::vector<float>* x : {static_cast<const std::vector<float>*>(&integers), &general}) {
-      std::vector<double> ref(static_cast<size_t>(m * rows));
-      std::vector<float> ref_f(ref.size()), y(ref.size());
-      matmul_reference(a.view, x->data(), m, ref_f.data());
-      affine_matmul(a.view, x->data(), m, y.data(), AffineKernel::kAvx512Vnni);
-      const auto tolerance = abs_product_sums(a.view, *x, m);
-      const auto bound = int8_activation_bound(a.view, *x, m);
-      double worst_excess = 0;  // the largest error beyond the float kernels' tolerance
-      for (size_t i = 0; i < y.size(); ++i) {
-        const double err = std::abs(static_cast<double>(y[i]) - ref_f[i]);
-        worst_excess = std::max(worst_excess, err / (1e-5 * tolerance[i]));
-        ASSERT_LE(err, 1e-5 * tolerance[i] + (x == &general ? bound[i] : 0.0))
-            << "group=" << group_size << " i=" << i << (x == &general ? " general" : " integers");
-      }
-      if (x == &general) {
-        EXPECT_GT(worst_excess, 10.0) << "the int8 path did not round the activations";
+  int families = 0;
+  for (AffineKernel kernel : {AffineKernel::kAvx512Vnni, AffineKernel::kAvx2Int8}) {
+    if (!affine_kernel_supported(kernel)) continue;
+    ++families;
+    for (int64_t group_size : {32, 64, 128}) {
+      const int64_t rows = 45, cols = 640, m = 3;
+      AffineMatrix a = make_affine(rows, cols, 4, group_size, WeightType::kBF16, 21);
+      std::mt19937 rng(5);
+      std::uniform_int_distribution<int> whole(-127, 127);
+      std::vector<float> integers(static_cast<size_t>(m * cols));
+      for (size_t i = 0; i < integers.size(); ++i)
+        integers[i] = i % 32 == 7 ? (i % 64 == 7 ? 127.0f : -127.0f) : static_cast<float>(whole(rng));
+      const auto general = normal_values(static_cast<size_t>(m * cols), 6);
+      for (const std::vector<float>* x : {static_cast<const std::vector<float>*>(&integers), &general}) {
+        std::vector<double> ref(static_cast<size_t>(m * rows));
+        std::vector<float> ref_f(ref.size()), y(ref.size());
+        matmul_reference(a.view, x->data(), m, ref_f.data());
+        affine_matmul(a.view, x->data(), m, y.data(), kernel);
+        const auto tolerance = abs_product_sums(a.view, *x, m);
+        const auto bound = int8_activation_bound(a.view, *x, m);
+        double worst_excess = 0;  // the largest error beyond the float kernels' tolerance
+        for (size_t i = 0; i < y.size(); ++i) {
+          const double err = std::abs(static_cast<double>(y[i]) - ref_f[i]);
+          worst_excess = std::max(worst_excess, err / (1e-5 * tolerance[i]));
+          ASSERT_LE(err, 1e-5 * tolerance[i] + (x == &general ? bound[i] : 0.0))
+              << kernel_name(kernel) << " group=" << group_size << " i=" << i
+              << (x == &general ? " general" : " integers");
+        }
+        if (x == &general) {
+          EXPECT_GT(worst_excess, 10.0) << "the int8 path did not round the activations";
+        }
       }
     }
   }
+  if (families == 0) GTEST_SKIP() << "no AVX2 or AVX-512 VNNI here";
 }
 
 INSTANTIATE_TEST_SUITE_P(Bits, QuantMatmulTest, ::testing::Values(2, 3, 4, 5, 6, 8),

@@ -121,6 +121,11 @@ inline const uint8_t* row_bytes_at(const AffineCall& c, int64_t row, int64_t off
 // of 16, so that the bias term runs in whole vectors).
 constexpr int64_t kGroupChunk = 32;
 
+// The int8-activation tiles (4 bits): activations are quantized per run of kActivationBlock values, and
+// codes go by blocks of kInt8Block (see affine_tile_vnni4).
+constexpr int64_t kActivationBlock = 32;
+constexpr int64_t kInt8Block = 128;
+
 // out[0, n) = the n params from `index` as float32, out[n, kGroupChunk) = 0.
 void params_to_f32(const void* data, WeightType type, int64_t index, int64_t n, float* out) {
   switch (type) {
@@ -489,6 +494,82 @@ MTPX_AVX2 void dequantize_row_avx2(const AffineCall& c, int64_t row, float* out)
   }
 }
 
+// AVX2, 4 bits, int8 activations: the VNNI tiles' equation and layout (affine_tile_vnni4) on 8 lanes. A
+// 32-byte half of a block holds 64 codes; vpmaddubsw multiplies its low and high nibbles by the even and odd
+// activations into int16 pairs (at most 2 * 2 * 15 * 127 = 7620 in magnitude after the two are added: no
+// saturation), and vpmaddwd by ones sums them into 8 int32 lanes, lane j holding codes 8j..8j+7 of the half.
+template <int NR, int NO>
+MTPX_AVX2 void affine_tile_avx2_int8(const AffineCall& c, int64_t m0, int64_t o0, float* y) {
+  const WeightMatrix& w = *c.w;
+  const int64_t cols = w.cols, groups = c.groups;
+  const int64_t block_groups = std::max<int64_t>(1, kInt8Block / w.group_size);
+  const int64_t runs_per_row = cols / kActivationBlock;
+  const int shift = std::countr_zero(static_cast<uint64_t>(w.group_size));
+  const TileRows<NO> rows(c, o0);
+  alignas(32) float scale[NO][kGroupChunk + 8];  // + 8: a block's scales are read as one vector
+  alignas(32) float bias[NO][kGroupChunk];
+  __m256 acc[NR][NO];
+  for (int r = 0; r < NR; ++r)
+    for (int o = 0; o < NO; ++o) acc[r][o] = _mm256_setzero_ps();
+  // Lane j of half h: group (64h + 8j) / group_size of the block, activation run 2h + j / 4.
+  const __m256i lane_code = _mm256_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56);
+  const __m256i half_group[2] = {
+      _mm256_srlv_epi32(lane_code, _mm256_set1_epi32(shift)),
+      _mm256_srlv_epi32(_mm256_add_epi32(lane_code, _mm256_set1_epi32(64)), _mm256_set1_epi32(shift))};
+  const __m256i half_run[2] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                               _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)};
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g0 = 0; g0 < groups; g0 += kGroupChunk) {  // kGroupChunk is a multiple of block_groups
+    const int64_t chunk = std::min(kGroupChunk, groups - g0);
+    for (int o = 0; o < NO; ++o) {
+      params_to_f32_avx2(w.scales, w.scale_type, rows.row[o] * groups + g0, chunk, scale[o]);
+      std::fill(scale[o] + (chunk + 7) / 8 * 8, scale[o] + kGroupChunk + 8, 0.0f);
+      params_to_f32_avx2(w.biases, w.scale_type, rows.row[o] * groups + g0, chunk, bias[o]);
+    }
+    for (int64_t v = 0; v < chunk; v += 8)
+      for (int r = 0; r < NR; ++r) {
+        const __m256 xsum = _mm256_loadu_ps(c.xsum + (m0 + r) * c.xsum_stride + g0 + v);
+        for (int o = 0; o < NO; ++o)
+          acc[r][o] = _mm256_fmadd_ps(_mm256_load_ps(&bias[o][v]), xsum, acc[r][o]);
+      }
+    for (int64_t g = g0; g < g0 + chunk; g += block_groups) {
+      const int64_t k0 = g * w.group_size;  // first code of the block
+      rows.prefetch_lines(k0 / 2, (k0 + kInt8Block) / 2);
+      for (int h = 0; h < 2; ++h) {
+        __m256i even[NO], odd[NO];
+        __m256 sv[NO];
+        for (int o = 0; o < NO; ++o) {
+          const __m256i raw =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.codes[o] + k0 / 2 + 32 * h));
+          even[o] = _mm256_and_si256(raw, low_nibbles);
+          odd[o] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_nibbles);
+          sv[o] = _mm256_permutevar8x32_ps(_mm256_loadu_ps(&scale[o][g - g0]), half_group[h]);
+        }
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* xr = c.xq + (m0 + r) * cols + k0;
+          const __m256i x_even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32 * h));
+          const __m256i x_odd =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + kInt8Block / 2 + 32 * h));
+          const __m256 run_scale = _mm256_permutevar8x32_ps(
+              _mm256_castps128_ps256(
+                  _mm_loadu_ps(c.xq_scale + (m0 + r) * runs_per_row + k0 / kActivationBlock)),
+              half_run[h]);
+          for (int o = 0; o < NO; ++o) {
+            const __m256i pairs =
+                _mm256_add_epi16(_mm256_maddubs_epi16(even[o], x_even), _mm256_maddubs_epi16(odd[o], x_odd));
+            const __m256i dot = _mm256_madd_epi16(pairs, ones);
+            acc[r][o] = _mm256_fmadd_ps(_mm256_mul_ps(sv[o], run_scale), _mm256_cvtepi32_ps(dot), acc[r][o]);
+          }
+        }
+      }
+    }
+  }
+  for (int o = 0; o < NO; ++o) {
+    if (o0 + o >= w.rows) break;
+    for (int r = 0; r < NR; ++r) y[(m0 + r) * w.rows + o0 + o] = hsum8(acc[r][o]);
+  }
+}
+
 #undef MTPX_AVX2
 
 // ---------------------------------------------------------------------------------------------
@@ -661,14 +742,11 @@ MTPX_AVX512 void affine_tile_avx512(const AffineCall& c, int64_t m0, int64_t o0,
 // the same order whatever the tile, so batch invariance holds as for the float tiles.
 #define MTPX_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
-constexpr int64_t kActivationBlock = 32;
-constexpr int64_t kVnniBlock = 128;  // codes per block
-
 template <int NR, int NO>
 MTPX_AVX512_VNNI void affine_tile_vnni4(const AffineCall& c, int64_t m0, int64_t o0, float* y) {
   const WeightMatrix& w = *c.w;
   const int64_t cols = w.cols, groups = c.groups;
-  const int64_t block_groups = std::max<int64_t>(1, kVnniBlock / w.group_size);
+  const int64_t block_groups = std::max<int64_t>(1, kInt8Block / w.group_size);
   const int64_t runs_per_row = cols / kActivationBlock;
   const TileRows<NO> rows(c, o0);
   ChunkParams<NO> params;
@@ -684,7 +762,7 @@ MTPX_AVX512_VNNI void affine_tile_vnni4(const AffineCall& c, int64_t m0, int64_t
     auto& scale = params.scale;
     for (int64_t g = g0; g < g0 + chunk; g += block_groups) {
       const int64_t k0 = g * w.group_size;  // first code of the block
-      rows.prefetch_lines(k0 / 2, (k0 + kVnniBlock) / 2);
+      rows.prefetch_lines(k0 / 2, (k0 + kInt8Block) / 2);
       __m512i even[NO], odd[NO];
       for (int o = 0; o < NO; ++o) {
         const __m512i raw = _mm512_loadu_si512(rows.codes[o] + k0 / 2);
@@ -696,7 +774,7 @@ MTPX_AVX512_VNNI void affine_tile_vnni4(const AffineCall& c, int64_t m0, int64_t
         sv[o] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(&scale[o][g - g0]));
       for (int r = 0; r < NR; ++r) {
         const int8_t* xr = c.xq + (m0 + r) * cols + k0;
-        const __m512i x_even = _mm512_loadu_si512(xr), x_odd = _mm512_loadu_si512(xr + kVnniBlock / 2);
+        const __m512i x_even = _mm512_loadu_si512(xr), x_odd = _mm512_loadu_si512(xr + kInt8Block / 2);
         const __m512 run_scale = _mm512_permutexvar_ps(
             lane_run, _mm512_castps128_ps512(
                           _mm_loadu_ps(c.xq_scale + (m0 + r) * runs_per_row + k0 / kActivationBlock)));
@@ -714,6 +792,29 @@ MTPX_AVX512_VNNI void affine_tile_vnni4(const AffineCall& c, int64_t m0, int64_t
   }
 }
 
+// quantize_activations() in portable code (for the AVX2 int8 tiles), the same values: the products by
+// 1 / s rounded to nearest even (std::nearbyint in the default rounding mode) and clamped.
+void quantize_activations_portable(const float* x, int64_t m, int64_t cols, int8_t* xq, float* scales) {
+  const int64_t runs = cols / kActivationBlock;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * cols;
+    for (int64_t b = 0; b < runs; ++b) {
+      float peak = 0.0f;
+      for (int64_t k = 0; k < kActivationBlock; ++k)
+        peak = std::max(peak, std::abs(xr[b * kActivationBlock + k]));
+      const bool zeros = peak < 1e-30f;
+      const float scale = zeros ? 0.0f : peak / 127.0f, inverse = zeros ? 0.0f : 1.0f / scale;
+      scales[r * runs + b] = scale;
+      for (int64_t k = b * kActivationBlock; k < (b + 1) * kActivationBlock; ++k) {
+        const float q = std::clamp(std::nearbyint(xr[k] * inverse), -127.0f, 127.0f);
+        const int64_t i = k % kInt8Block;
+        xq[r * cols + k / kInt8Block * kInt8Block + (i % 2) * (kInt8Block / 2) + i / 2] =
+            static_cast<int8_t>(std::isnan(q) ? -127.0f : q);
+      }
+    }
+  }
+}
+
 // v * inverse rounded to the nearest integer, even on ties (the MXCSR default), as int32 in [-127, 127]
 // (|x| * (1 / s) may exceed 127 by a rounding).
 MTPX_AVX512_VNNI inline __m512i to_int8_range(__m512 v, __m512 inverse) {
@@ -722,7 +823,7 @@ MTPX_AVX512_VNNI inline __m512i to_int8_range(__m512 v, __m512 inverse) {
                           _mm512_sub_epi32(_mm512_setzero_si512(), limit));
 }
 
-// x [m, cols] (cols a multiple of kVnniBlock) as int8 for the VNNI tiles: per run of kActivationBlock values
+// x [m, cols] (cols a multiple of kInt8Block) as int8 for the VNNI tiles: per run of kActivationBlock values
 // s = max|x| / 127 and xq = x * (1 / s) rounded to nearest even (|xq| <= 127; s = 0 and xq = 0 for a run of
 // zeros), stored per block of 128 values as the even-indexed values, then the odd-indexed ones.
 MTPX_AVX512_VNNI void quantize_activations(const float* x, int64_t m, int64_t cols, int8_t* xq,
@@ -746,10 +847,10 @@ MTPX_AVX512_VNNI void quantize_activations(const float* x, int64_t m, int64_t co
       const __m512i qlo = to_int8_range(lo, inverse), qhi = to_int8_range(hi, inverse);
       // Run b is values [32b, 32b + 32) of block b / 4, i.e. its 16 even values go to bytes 16 (b % 4) of
       // the block's even half, its 16 odd values to the same bytes of the odd half.
-      int8_t* block = qr + (b / 4) * kVnniBlock + (b % 4) * 16;
+      int8_t* block = qr + (b / 4) * kInt8Block + (b % 4) * 16;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(block),
                        _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qlo, even, qhi)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(block + kVnniBlock / 2),
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(block + kInt8Block / 2),
                        _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(qlo, odd, qhi)));
     }
   }
@@ -859,12 +960,28 @@ const AffineTiles& vnni4_tiles() {
   return t;
 }
 
-// Whether kAvx512Vnni runs w on the int8 tiles; other matrices take kAvx512's float tiles.
-bool vnni_applies(const WeightMatrix& w) { return w.bits == 4 && w.cols % kVnniBlock == 0; }
+// The AVX2 int8 tiles; the 8-lane registers hold fewer outputs' codes than the 16 AVX2 registers of the
+// float tiles' shapes would need.
+const AffineTiles& avx2_int8_tiles() {
+  static const AffineTiles t{
+      nullptr, affine_tile_avx2_int8<1, 4>,
+      4,       affine_tile_avx2_int8<2, 2>,
+      2,       {affine_tile_avx2_int8<1, 2>, affine_tile_avx2_int8<2, 2>, affine_tile_avx2_int8<3, 2>},
+      2};
+  return t;
+}
+
+// Whether the int8 families run w on their int8 tiles; other matrices take the float tiles of their SIMD
+// width.
+bool int8_applies(AffineKernel kernel, const WeightMatrix& w) {
+  return (kernel == AffineKernel::kAvx512Vnni || kernel == AffineKernel::kAvx2Int8) && w.bits == 4 &&
+         w.cols % kInt8Block == 0;
+}
 
 const AffineTiles* tiles_for(AffineKernel kernel, int bits, int64_t group_size) {
-  if (kernel == AffineKernel::kAvx512Vnni)
-    kernel = AffineKernel::kAvx512;  // the matrices it does not apply to
+  // The matrices the int8 families do not apply to.
+  if (kernel == AffineKernel::kAvx512Vnni) kernel = AffineKernel::kAvx512;
+  if (kernel == AffineKernel::kAvx2Int8) kernel = AffineKernel::kAvx2;
   if (kernel == AffineKernel::kAvx2) {
     switch (bits) {
       case 2:
@@ -911,7 +1028,8 @@ AffineKernel detect_kernel() {
     return choice != "f32" && affine_kernel_supported(AffineKernel::kAvx512Vnni) ? AffineKernel::kAvx512Vnni
                                                                                  : AffineKernel::kAvx512;
   }
-  if (path == "avx2" && affine_kernel_supported(AffineKernel::kAvx2)) return AffineKernel::kAvx2;
+  if (path == "avx2" && affine_kernel_supported(AffineKernel::kAvx2))
+    return choice != "f32" ? AffineKernel::kAvx2Int8 : AffineKernel::kAvx2;
   return AffineKernel::kScalar;
 }
 
@@ -1045,6 +1163,7 @@ bool affine_kernel_supported(AffineKernel kernel) {
              __builtin_cpu_supports("f16c");
     case AffineKernel::kAvx512Vnni:
       return affine_kernel_supported(AffineKernel::kAvx512) && __builtin_cpu_supports("avx512vnni");
+    case AffineKernel::kAvx2Int8:
     case AffineKernel::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
@@ -1072,8 +1191,10 @@ void affine_matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, A
   const int64_t groups = w.cols / w.group_size, xsum_stride = (groups + 15) / 16 * 16;
   xsum.resize(static_cast<size_t>(m * xsum_stride));
   group_sums(x, m, w.cols, w.group_size, xsum_stride, xsum.data());
-  const bool int8 = kernel == AffineKernel::kAvx512Vnni && vnni_applies(w);
-  const AffineTiles* tiles = int8 ? &vnni4_tiles() : tiles_for(kernel, w.bits, w.group_size);
+  const bool int8 = int8_applies(kernel, w);
+  const AffineTiles* tiles = !int8                                 ? tiles_for(kernel, w.bits, w.group_size)
+                             : kernel == AffineKernel::kAvx512Vnni ? &vnni4_tiles()
+                                                                   : &avx2_int8_tiles();
   thread_local std::vector<float> arranged;
   if (tiles != nullptr && tiles->arrange != nullptr) {
     arranged.resize(static_cast<size_t>(m * w.cols));
@@ -1086,7 +1207,11 @@ void affine_matmul(const WeightMatrix& w, const float* x, int64_t m, float* y, A
   if (int8) {
     xq.resize(static_cast<size_t>(m * w.cols));
     xq_scale.resize(static_cast<size_t>(m * w.cols / kActivationBlock));
-    quantize_activations(x, m, w.cols, xq.data(), xq_scale.data());
+    if (kernel == AffineKernel::kAvx512Vnni) {
+      quantize_activations(x, m, w.cols, xq.data(), xq_scale.data());
+    } else {
+      quantize_activations_portable(x, m, w.cols, xq.data(), xq_scale.data());
+    }
     call.xq = xq.data();
     call.xq_scale = xq_scale.data();
   }

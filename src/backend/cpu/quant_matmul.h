@@ -52,8 +52,9 @@ void check_affine(const WeightMatrix& w);
 // int8 per run of 32 values (s = max|x| / 127, xq = x * (1 / s) rounded to nearest) and the scale term of
 // each group is an integer dot product (vpdpbusd); y then differs from the float kernels by at most sum_k
 // |scale_g(k) * q_k| * s_k / 2. Other matrices run kAvx512's float tiles. matmul() uses it where the CPU has
-// AVX-512 VNNI, unless the environment sets MTPX_AFFINE_ACTIVATIONS=f32.
-enum class AffineKernel { kAvx512Vnni, kAvx512, kAvx2, kScalar };
+// AVX-512 VNNI, unless the environment sets MTPX_AFFINE_ACTIVATIONS=f32. kAvx2Int8: the same on AVX2
+// (vpmaddubsw + vpmaddwd), what matmul() uses on AVX2 CPUs unless MTPX_AFFINE_ACTIVATIONS=f32.
+enum class AffineKernel { kAvx512Vnni, kAvx512, kAvx2Int8, kAvx2, kScalar };
 bool affine_kernel_supported(AffineKernel kernel);
 
 // The family matmul() uses in this process.
