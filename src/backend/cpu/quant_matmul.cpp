@@ -924,52 +924,54 @@ struct AffineTiles {
 // AVX2 has 16 ymm registers for the NR x NO group accumulators, the running accumulators (the compiler keeps
 // them in memory between groups when they do not fit), the activations and the decode masks; AVX-512 has
 // 32.
+// The table of a tile family F (F::tile<NR, NO>: a tile of NR rows x NO outputs; F::arrange) with these
+// output widths.
+template <class F, int kSingle, int kPair, int kMulti>
+const AffineTiles& tile_table() {
+  static const AffineTiles t{
+      F::arrange, F::template tile<1, kSingle>,
+      kSingle,    F::template tile<2, kPair>,
+      kPair,      {F::template tile<1, kMulti>, F::template tile<2, kMulti>, F::template tile<3, kMulti>},
+      kMulti};
+  return t;
+}
+
+template <class D, bool kPaired>
+struct Avx2Family {
+  static constexpr ArrangeFn arrange = std::is_same_v<D, Bytes32> ? nullptr : arrange_x_for<D, kPaired>;
+  template <int NR, int NO>
+  static constexpr AffineTileFn tile = affine_tile_avx2<D, kPaired, NR, NO>;
+};
+template <int BITS>
+struct Avx512Family {
+  static constexpr ArrangeFn arrange = BITS == 4 ? arrange_x_nibbles128 : nullptr;
+  template <int NR, int NO>
+  static constexpr AffineTileFn tile = affine_tile_avx512<BITS, NR, NO>;
+};
+struct Vnni4Family {
+  static constexpr ArrangeFn arrange = nullptr;
+  template <int NR, int NO>
+  static constexpr AffineTileFn tile = affine_tile_vnni4<NR, NO>;
+};
+struct Avx2Int8Family {
+  static constexpr ArrangeFn arrange = nullptr;
+  template <int NR, int NO>
+  static constexpr AffineTileFn tile = affine_tile_avx2_int8<NR, NO>;
+};
+
 template <class D, bool kPaired>
 const AffineTiles& avx2_tiles() {
-  static const AffineTiles t{(std::is_same_v<D, Bytes32> ? nullptr : arrange_x_for<D, kPaired>),
-                             affine_tile_avx2<D, kPaired, 1, 4>,
-                             4,
-                             affine_tile_avx2<D, kPaired, 2, 4>,
-                             4,
-                             {affine_tile_avx2<D, kPaired, 1, 3>, affine_tile_avx2<D, kPaired, 2, 3>,
-                              affine_tile_avx2<D, kPaired, 3, 3>},
-                             3};
-  return t;
+  return tile_table<Avx2Family<D, kPaired>, 4, 4, 3>();
 }
-
 template <int BITS>
 const AffineTiles& avx512_tiles() {
-  static const AffineTiles t{
-      BITS == 4 ? arrange_x_nibbles128 : nullptr,
-      affine_tile_avx512<BITS, 1, 8>,
-      8,
-      affine_tile_avx512<BITS, 2, 4>,
-      4,
-      {affine_tile_avx512<BITS, 1, 4>, affine_tile_avx512<BITS, 2, 4>, affine_tile_avx512<BITS, 3, 4>},
-      4};
-  return t;
+  return tile_table<Avx512Family<BITS>, 8, 4, 4>();
 }
-
 // The VNNI tiles (4 bits, int8 activations) in the AVX-512 float tiles' shapes.
-const AffineTiles& vnni4_tiles() {
-  static const AffineTiles t{
-      nullptr, affine_tile_vnni4<1, 8>,
-      8,       affine_tile_vnni4<2, 4>,
-      4,       {affine_tile_vnni4<1, 4>, affine_tile_vnni4<2, 4>, affine_tile_vnni4<3, 4>},
-      4};
-  return t;
-}
-
+const AffineTiles& vnni4_tiles() { return tile_table<Vnni4Family, 8, 4, 4>(); }
 // The AVX2 int8 tiles; the 8-lane registers hold fewer outputs' codes than the 16 AVX2 registers of the
 // float tiles' shapes would need.
-const AffineTiles& avx2_int8_tiles() {
-  static const AffineTiles t{
-      nullptr, affine_tile_avx2_int8<1, 4>,
-      4,       affine_tile_avx2_int8<2, 2>,
-      2,       {affine_tile_avx2_int8<1, 2>, affine_tile_avx2_int8<2, 2>, affine_tile_avx2_int8<3, 2>},
-      2};
-  return t;
-}
+const AffineTiles& avx2_int8_tiles() { return tile_table<Avx2Int8Family, 4, 2, 2>(); }
 
 // Whether the int8 families run w on their int8 tiles; other matrices take the float tiles of their SIMD
 // width.
