@@ -38,6 +38,18 @@ compares the engine's logits / hidden / mtp_logits with reference.safetensors (r
 be < 1e-3), its teacher-forced MTP / trunk top-1 predictions on the 20 held-out samples with PyTorch's, its greedy
 output with transformers' greedy output, and prints the MTP acceptance of `generate --mtp --draft 2` on the samples.
 
+A second run that retrains only the MTP head of a trained model (the trunk and the shared embedding stay
+bit-identical: checked at export), for chained drafting (K >= 2) and against the trunk's own distribution:
+
+    command="PYTHONUNBUFFERED=1 python3 scripts/train_small_model.py --out $OUT --init-from models/default
+             --head-only --mtp-steps 2 --distill --lr 6e-4 --warmup-steps 100 --min-lr-frac 0.05"
+
+Step k >= 2 of the head takes step k-1's output as its hidden, attends to the step-1 rows up to its own
+(the MTP KV slots of committed tokens) and to its chain's earlier steps, at position t+k-1: exactly what the
+engine computes when it drafts K tokens (qwen35_arch.md §6.3). `check_chain` verifies this all-rows-at-once
+form against drafting one row at a time at start-up. The report gains `chain_eval_before` / `chain_eval_after_*`
+(per step: head argmax == trunk argmax, all steps so far agreeing, sum min(p_trunk, q_head)).
+
 Smoke test on a CPU (~1-2 min, tiny data / model / step count; outputs must stay out of the repository):
 
     python3 scripts/train_small_model.py --smoke --out /tmp/smoke_model --check-engine /tmp/b/mtpx
@@ -199,7 +211,25 @@ def parse_args(argv=None):
     ap.add_argument("--check-engine", default=None, metavar="BINARY", help="compare the mtpx engine with the outputs")
     ap.add_argument("--check-only", action="store_true", help="only run --check-engine on an existing --out")
     ap.add_argument("--engine-threads", type=int, default=0)
+    g = ap.add_argument_group("continuing from a trained model (e.g. a second training run of the MTP head)")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this model directory: its tokenizer, config and weights (no tokenizer training;"
+                        " the shape options are ignored)")
+    g.add_argument("--head-only", action="store_true",
+                   help="train only the mtp.* tensors; the trunk (and the shared embedding) stay bit-identical")
+    g.add_argument("--mtp-steps", type=int, default=1,
+                   help="chained draft steps trained (--head-only): step k feeds step k-1's output as the hidden, "
+                        "as drafting does for K >= k")
+    g.add_argument("--distill", action="store_true",
+                   help="(--head-only) target of each head row = the trunk's own next-token distribution at that "
+                        "position (soft cross-entropy), not the data token: acceptance is agreement with the trunk")
     args = ap.parse_args(argv)
+    if (args.head_only or args.distill or args.mtp_steps != 1) and not args.init_from:
+        ap.error("--head-only, --distill and --mtp-steps need --init-from (a trained trunk)")
+    if (args.distill or args.mtp_steps != 1) and not args.head_only:
+        ap.error("--distill and --mtp-steps need --head-only")
+    if args.mtp_steps < 1:
+        ap.error("--mtp-steps must be >= 1")
     if args.smoke:
         given = {a.dest for a in ap._actions if a.option_strings and any(s in (argv or sys.argv[1:]) for s in
                                                                          a.option_strings)}
@@ -483,6 +513,41 @@ def make_mtp_head(cfg):
             out = self.layers[0](u, position_embeddings=(cos, sin), attention_mask=mask, position_ids=pos)
             return self.norm(out)
 
+        def chain(self, embed_tokens, rotary_emb, hidden, ids_per_step):
+            """Chained drafting as the engine runs it (qwen35_arch.md §6.3), for every row at once.
+            hidden [B, R, H] = h_0..h_{R-1}; ids_per_step[k-1] [B, R] = the tokens x_{t+k} of step k. Step 1 row t
+            is forward()'s row t (position t). Step k >= 2 row t takes step k-1's output m as its hidden and sits
+            at position t+k-1; it attends to the step-1 rows 0..t (the MTP KV slots of committed rows, written
+            from trunk hiddens) and to its own chain's rows of steps 2..k (the slots drafting wrote). Returns
+            [m_1, ..., m_K], each [B, R, H]; m_k row t predicts x_{t+k+1}."""
+            B, R = ids_per_step[0].shape
+            us, poss, outs = [], [], []
+            hid = hidden
+            for k, ids in enumerate(ids_per_step):
+                e = self.pre_fc_norm_embedding(embed_tokens(ids))
+                us.append(self.fc(torch.cat([e, self.pre_fc_norm_hidden(hid)], dim=-1)))
+                poss.append(torch.arange(R, device=ids.device) + k)
+                u = torch.cat(us, dim=1)
+                pos = torch.cat(poss)[None].expand(B, -1)
+                cos, sin = rotary_emb(u, pos[None].expand(3, B, -1))
+                out = self.layers[0](u, position_embeddings=(cos, sin), attention_mask=self.chain_mask(R, k + 1, u),
+                                     position_ids=pos)
+                hid = self.norm(out[:, k * R:])
+                outs.append(hid)
+            return outs
+
+        def chain_mask(self, R, steps, u):
+            """[1, 1, steps*R, steps*R] over rows (step a, row t): (a, t) sees (0, j) for j <= t and (b, t) for
+            1 <= b <= a. sdpa takes a boolean mask (True = attend), eager an additive one."""
+            idx = torch.arange(steps * R, device=u.device)
+            a, t = idx // R, idx % R
+            ok = ((a[None, :] == 0) & (t[None, :] <= t[:, None])) | (
+                (a[None, :] >= 1) & (t[None, :] == t[:, None]) & (a[None, :] <= a[:, None]))
+            if self.lcfg._attn_implementation == "sdpa":
+                return ok[None, None]
+            return torch.zeros(ok.shape, dtype=torch.float32, device=u.device).masked_fill(
+                ~ok, torch.finfo(torch.float32).min)[None, None]
+
     head = MTPHead(cfg)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -652,6 +717,117 @@ def forward_losses(model, head, x, lam: float, need_stats: bool = False):
     return loss, loss_main.detach(), loss_mtp.detach(), st
 
 
+def forward_losses_head(model, head, x, steps: int, distill: bool, need_stats: bool = False):
+    """--head-only: the trunk runs without gradients; the head's chained steps 1..steps are trained (step k row t:
+    token x_{t+k}, predicts x_{t+k+1}). Target: the data token, or with `distill` the trunk's own distribution at
+    row t+k (soft cross-entropy = KL(trunk || head) + const), since a draft is accepted when it agrees with the
+    trunk, not with the data. Returns (weighted mean loss over steps, step-1 loss, step-`steps` loss[, stats])."""
+    import torch
+    import torch.nn.functional as F
+
+    inp = x[:, :-1]
+    T = inp.shape[1]
+    R = T - steps
+    with torch.no_grad():
+        h = model.model(input_ids=inp, use_cache=False).last_hidden_state
+        logits = model.lm_head(h)
+    ms = head.chain(model.model.embed_tokens, model.model.rotary_emb, h[:, :R],
+                    [x[:, k:k + R] for k in range(1, steps + 1)])
+    losses, st = [], {}
+    joint = None
+    # Step k's acceptance only counts once steps 1..k-1 were accepted, so earlier steps weigh more: steps-k+1.
+    weights = [steps - k for k in range(steps)]
+    for k, m in enumerate(ms, 1):
+        lsm = F.log_softmax(model.lm_head(m).float(), dim=-1)
+        if distill:
+            p = F.softmax(logits[:, k:k + R].float(), dim=-1)
+            losses.append(-(p * lsm).sum(-1).mean())
+        else:
+            losses.append(F.nll_loss(lsm.reshape(-1, lsm.shape[-1]), x[:, k + 1:k + 1 + R].reshape(-1)))
+        if need_stats:
+            with torch.no_grad():
+                p = F.softmax(logits[:, k:k + R].float(), dim=-1)
+                agree = lsm.argmax(-1) == logits[:, k:k + R].argmax(-1)
+                joint = agree if joint is None else joint & agree
+                st[k] = {"agree": agree.sum(), "joint_agree": joint.sum(),
+                         "overlap": torch.minimum(p, lsm.exp()).sum(-1).sum(),
+                         "data_correct": (lsm.argmax(-1) == x[:, k + 1:k + 1 + R]).sum(), "n": agree.numel()}
+    loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
+    if not need_stats:
+        return loss, losses[0].detach(), losses[-1].detach()
+    return loss, losses[0].detach(), losses[-1].detach(), st
+
+
+def evaluate_chain(model, head, windows, batch: int, steps: int, amp_dtype, device) -> dict:
+    """Teacher-forced chained drafting on held-out windows, per step k: head argmax == trunk argmax (greedy
+    acceptance of position k given the tokens), all steps <= k agreeing (greedy acceptance of the whole prefix),
+    sum_v min(p_trunk, q_head) at temperature 1 (the acceptance probability of rejection sampling) and top-1 against
+    the data."""
+    import torch
+
+    model.eval()
+    head.eval()
+    tot = {}
+    with torch.no_grad():
+        for i in range(0, windows.shape[0], batch):
+            x = windows[i:i + batch].to(device, non_blocking=True).long()
+            with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                st = forward_losses_head(model, head, x, steps, True, need_stats=True)[3]
+            for k, d in st.items():
+                for n, v in d.items():
+                    tot.setdefault(k, {}).setdefault(n, 0.0)
+                    tot[k][n] += float(v)
+    head.train()
+    return {f"step{k}": {"agree_with_trunk_argmax": d["agree"] / d["n"], "all_steps_agree": d["joint_agree"] / d["n"],
+                         "sampling_acceptance_T1": d["overlap"] / d["n"], "data_top1": d["data_correct"] / d["n"],
+                         "rows": int(d["n"])} for k, d in tot.items()}
+
+
+def check_chain(model, head, x, steps: int) -> float:
+    """head.chain (all rows at once, masked) against drafting one row at a time: step k of row t recomputed as the
+    last row of a causal sequence [step-1 rows 0..t, step-2..k rows of t] at positions [0..t, t+1..t+k-1], from
+    forward()'s step-1 outputs. float32, TF32 off. Returns the largest |difference|."""
+    import torch
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    emb, rot = model.model.embed_tokens, model.model.rotary_emb
+    try:
+        with torch.no_grad():
+            T = x.shape[1] - 1
+            R = T - steps
+            h = model.model(input_ids=x[:, :-1], use_cache=False).last_hidden_state
+            ms = head.chain(emb, rot, h[:, :R], [x[:, k:k + R] for k in range(1, steps + 1)])
+            m1 = head(emb, rot, h[:, :R], x[:, 1:1 + R])
+            worst = float((ms[0] - m1).abs().max())
+            B = x.shape[0]
+
+            def u_of(hid, ids):
+                e = head.pre_fc_norm_embedding(emb(ids))
+                return head.fc(torch.cat([e, head.pre_fc_norm_hidden(hid)], dim=-1))
+
+            for t in sorted({0, 1, R // 2, R - 1}):
+                rows = [u_of(h[:, :t + 1], x[:, 1:t + 2])]
+                hid = m1[:, t:t + 1]
+                for k in range(2, steps + 1):
+                    rows.append(u_of(hid, x[:, t + k:t + k + 1]))
+                    u = torch.cat(rows, dim=1)
+                    pos = torch.cat([torch.arange(t + 1), torch.arange(t + 1, t + k)]).to(x.device)[None].expand(B, -1)
+                    cos, sin = rot(u, pos[None].expand(3, B, -1))
+                    mask = None
+                    if head.lcfg._attn_implementation != "sdpa":
+                        from transformers.masking_utils import create_causal_mask
+
+                        mask = create_causal_mask(config=head.lcfg, inputs_embeds=u, attention_mask=None,
+                                                  past_key_values=None, position_ids=pos)
+                    out = head.layers[0](u, position_embeddings=(cos, sin), attention_mask=mask, position_ids=pos)
+                    hid = head.norm(out[:, -1:])
+                    worst = max(worst, float((hid[:, 0] - ms[k - 1][:, t]).abs().max()))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return worst
+
+
 def evaluate(model, head, windows, batch: int, lam: float, amp_dtype, device) -> dict:
     import torch
 
@@ -685,6 +861,12 @@ def evaluate(model, head, windows, batch: int, lam: float, amp_dtype, device) ->
     }
 
 
+def chain_summary(ev: dict) -> str:
+    return " | ".join(f"{k}: agree {d['agree_with_trunk_argmax']:.4f} all {d['all_steps_agree']:.4f} sampled "
+                      f"{d['sampling_acceptance_T1']:.4f} data {d['data_top1']:.4f}"
+                      for k, d in ev.items() if k.startswith("step"))
+
+
 def lr_at(step: int, progress: float, args) -> float:
     warm = min(1.0, (step + 1) / max(1, args.warmup_steps))
     p = min(1.0, max(0.0, progress))
@@ -697,7 +879,11 @@ def train(model, head, train_stream, eval_windows, args, device, report) -> list
     is_cuda = device.type == "cuda"
     amp_dtype = torch.bfloat16 if is_cuda else None
     decay, no_decay = [], []
-    for mod in (model, head):
+    trained = (head,) if args.head_only else (model, head)
+    if args.head_only:
+        model.eval()
+        model.requires_grad_(False)
+    for mod in trained:
         for n, p in mod.named_parameters():
             if p.ndim >= 2 and "embed_tokens" not in n:
                 decay.append(p)
@@ -718,7 +904,10 @@ def train(model, head, train_stream, eval_windows, args, device, report) -> list
         return train_stream[starts[:, None] + offs].long()
 
     loss_fn = forward_losses
-    if args.compile:
+    if args.head_only:
+        def loss_fn(model, head, x, lam):
+            return forward_losses_head(model, head, x, args.mtp_steps, args.distill)
+    elif args.compile:
         try:
             loss_fn = torch.compile(forward_losses)
         except Exception as e:  # noqa: BLE001
@@ -755,14 +944,14 @@ def train(model, head, train_stream, eval_windows, args, device, report) -> list
             try:
                 loss, lm, lt = loss_fn(model, head, x, args.mtp_lambda)
             except Exception as e:  # noqa: BLE001
-                if loss_fn is forward_losses:
+                if loss_fn is forward_losses or not args.compile:
                     raise
                 log(f"torch.compile failed at the first step ({type(e).__name__}: {e}); falling back to eager")
                 loss_fn = forward_losses
                 loss, lm, lt = loss_fn(model, head, x, args.mtp_lambda)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(head.parameters()), args.grad_clip)
+        gn = torch.nn.utils.clip_grad_norm_([p for mod in trained for p in mod.parameters()], args.grad_clip)
         opt.step()
         step += 1
         tokens += x.shape[0] * T
@@ -782,13 +971,17 @@ def train(model, head, train_stream, eval_windows, args, device, report) -> list
                 f"tokens {tokens / 1e6:.1f}M")
         if time.time() >= next_eval:
             te = time.time()
-            ev = evaluate(model, head, eval_windows, args.batch, args.mtp_lambda, amp_dtype, device)
+            if args.head_only:
+                ev = evaluate_chain(model, head, eval_windows, args.batch, args.mtp_steps, amp_dtype, device)
+                log(f"eval step {step}: " + chain_summary(ev))
+            else:
+                ev = evaluate(model, head, eval_windows, args.batch, args.mtp_lambda, amp_dtype, device)
+                log(f"eval step {step}: held-out loss {ev['main_loss']:.4f} top1 {ev['main_top1']:.3f} | MTP loss "
+                    f"{ev['mtp_loss']:.4f} top1 {ev['mtp_top1']:.3f} agree {ev['mtp_agrees_with_trunk_argmax']:.3f}")
             ev.update(step=step, tokens=tokens, t=round(time.time() - T_START, 1))
             history.append(ev)
             eval_time += time.time() - te
             t_last, step_last = time.time(), step  # step timing excludes the eval
-            log(f"eval step {step}: held-out loss {ev['main_loss']:.4f} top1 {ev['main_top1']:.3f} | MTP loss "
-                f"{ev['mtp_loss']:.4f} top1 {ev['mtp_top1']:.3f} agree {ev['mtp_agrees_with_trunk_argmax']:.3f}")
             next_eval = time.time() + args.eval_every_s
     if is_cuda:
         torch.cuda.synchronize()
@@ -809,6 +1002,9 @@ def train(model, head, train_stream, eval_windows, args, device, report) -> list
         "min_lr_frac": args.min_lr_frac,
         "weight_decay": args.weight_decay,
         "mtp_lambda": args.mtp_lambda,
+        "head_only": bool(args.head_only),
+        "mtp_steps": args.mtp_steps,
+        "distill": bool(args.distill),
         "amp": str(amp_dtype),
         "compile": bool(args.compile),
         "device": str(device),
@@ -1214,12 +1410,18 @@ def main(argv=None):
 
     t = time.time()
     tok_texts, b = [], 0
-    for _, text in train_files:
-        if b >= args.tok_train_mb * 1e6:
-            break
-        tok_texts.append(text)
-        b += len(text.encode())
-    tok = build_tokenizer(tok_texts, args.vocab)
+    init = load_init_dir(Path(args.init_from)) if args.init_from else None
+    if init:
+        tok = init["tokenizer"]
+        log(f"init from {args.init_from}: its tokenizer, config and {len(init['tensors'])} tensors")
+        report["init_from"] = {"dir": str(args.init_from), "report": init["report"]}
+    else:
+        for _, text in train_files:
+            if b >= args.tok_train_mb * 1e6:
+                break
+            tok_texts.append(text)
+            b += len(text.encode())
+        tok = build_tokenizer(tok_texts, args.vocab)
     ntok = tok.get_vocab_size()
     eot = tok.token_to_id("<|endoftext|>")
     log(f"tokenizer: {ntok} tokens (trained on {b / 1e6:.1f} MB); <|endoftext|>={eot} <|im_start|>="
@@ -1262,7 +1464,8 @@ def main(argv=None):
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)
     V = (ntok + 63) // 64 * 64
-    tc = text_config_dict(args, V, eot)
+    tc = init["text_config"] if init else text_config_dict(args, V, eot)
+    assert tc["vocab_size"] == V, (tc["vocab_size"], V)
     cfg = hf_config(tc, "sdpa")
     model = Qwen3_5ForCausalLM(cfg)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "embeddings not tied"
@@ -1270,11 +1473,14 @@ def main(argv=None):
         with torch.no_grad():
             model.model.embed_tokens.weight[ntok:] = 0.0  # rows no token maps to
     head = make_mtp_head(cfg)
+    if init:
+        load_init_weights(model, head, init["tensors"])
     pc = param_counts(model, head)
     bf16_mib = (pc["total"] * 2) / MIB
-    log(f"model: V {V} H {args.hidden} L {args.layers} {tc['layer_types']} I {args.intermediate} attn "
-        f"{args.heads}/{args.kv_heads}x{args.head_dim} GDN {args.lin_k_heads}/{args.lin_v_heads} x "
-        f"{args.lin_k_dim}/{args.lin_v_dim}; params {pc} = {bf16_mib:.2f} MiB bf16")
+    log(f"model: V {V} H {tc['hidden_size']} L {tc['num_hidden_layers']} {tc['layer_types']} I "
+        f"{tc['intermediate_size']} attn {tc['num_attention_heads']}/{tc['num_key_value_heads']}x{tc['head_dim']} "
+        f"GDN {tc['linear_num_key_heads']}/{tc['linear_num_value_heads']} x {tc['linear_key_head_dim']}/"
+        f"{tc['linear_value_head_dim']}; params {pc} = {bf16_mib:.2f} MiB bf16")
     assert bf16_mib <= args.max_model_mib, f"model too large: {bf16_mib:.2f} MiB > {args.max_model_mib}"
     report["params"] = pc
     report["params"]["bf16_mib"] = round(bf16_mib, 3)
@@ -1283,7 +1489,7 @@ def main(argv=None):
     log(f"GDN implementation: {report['gdn_impl']}")
     model.to(device).train()
     head.to(device).train()
-    if device.type == "cuda":
+    if device.type == "cuda" and not args.head_only:
         try:
             report["layer_bench_batch_shape"] = bench_layers(model, args, device)
             log(f"layer fwd+bwd at batch shape {args.batch}x{args.seq_len} (bf16 autocast): "
@@ -1324,6 +1530,17 @@ def main(argv=None):
     log(f"held-out eval: {eval_w.shape[0]} windows periodic, {final_w.shape[0]} final (of {nwin})")
     report["timing"]["prep_s"] = round(time.time() - T_START, 1)
 
+    if args.head_only:
+        xs = torch.from_numpy(held_stream[:4 * 65].astype(np.int64)).view(4, 65).to(device)
+        diff = check_chain(model, head, xs, max(2, args.mtp_steps))
+        log(f"chained drafting, all rows at once vs one row at a time: max |diff| {diff:.2e}")
+        assert diff < 1e-4, f"head.chain differs from drafting row by row ({diff})"
+        report["checks_startup"]["chain_vs_row_by_row_max_abs"] = diff
+        amp = torch.bfloat16 if device.type == "cuda" else None
+        ev0 = evaluate_chain(model, head, final_w, args.batch, args.mtp_steps, amp, device)
+        report["chain_eval_before"] = ev0
+        log(f"before training (held-out, {final_w.shape[0]} windows): " + chain_summary(ev0))
+
     history = train(model, head, train_t, eval_w, args, device, report)
     del train_t
     report["eval_history"] = history
@@ -1338,6 +1555,10 @@ def main(argv=None):
     torch.backends.cudnn.allow_tf32 = False
     with PureTorchGDN() if device.type == "cpu" else _null():
         fin = evaluate(model, head, final_w, args.batch, args.mtp_lambda, None, device)
+        if args.head_only:
+            fin_chain = evaluate_chain(model, head, final_w, args.batch, args.mtp_steps, None, device)
+            report["chain_eval_after_fp32_bf16_weights"] = fin_chain
+            log(f"FINAL chained drafting (float32, exported bf16 weights): " + chain_summary(fin_chain))
     report["final_heldout_eval_fp32_bf16_weights"] = fin
     log(f"FINAL held-out (float32, exported bf16 weights, {fin['tokens']} tokens): trunk loss {fin['main_loss']:.4f} "
         f"top1 {fin['main_top1']:.4f} | MTP loss {fin['mtp_loss']:.4f} top1 {fin['mtp_top1']:.4f} | MTP argmax == "
@@ -1349,6 +1570,8 @@ def main(argv=None):
     model.cpu()
     head.cpu()
     finalize(args, out, tok, tc, model, head, held_docs, report, device)
+    if init:
+        keep_init_files(Path(args.init_from), out, init["tensors"], args.head_only)
     report["timing"]["export_s"] = round(time.time() - t, 1)
     report["timing"]["total_s"] = round(time.time() - T_START, 1)
     report.pop("_held_names", None)
@@ -1379,6 +1602,49 @@ def main(argv=None):
         res = check_engine(args.check_engine, out, args.engine_threads)
         if not res["ok"]:
             sys.exit(1)
+
+
+def load_init_dir(d: Path) -> dict:
+    """A model directory written by this script: tokenizer, text_config, tensors and its report (if any)."""
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    cfg = json.loads((d / "config.json").read_text())
+    assert "text_config" in cfg, f"{d}/config.json: expected the Qwen3_5ForConditionalGeneration layout"
+    tc = {k: v for k, v in cfg["text_config"].items() if k != "model_type"}
+    rep = d / "report.json"
+    return {"tokenizer": Tokenizer.from_file(str(d / "tokenizer.json")), "text_config": tc,
+            "tensors": load_file(str(d / "model.safetensors")),
+            "report": json.loads(rep.read_text()) if rep.exists() else None}
+
+
+def load_init_weights(model, head, tensors: dict):
+    import torch
+
+    trunk = {"model." + n[len("model.language_model."):]: t for n, t in tensors.items()
+             if n.startswith("model.language_model.")}
+    mtp = {n[len("mtp."):]: t for n, t in tensors.items() if n.startswith("mtp.")}
+    with torch.no_grad():
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in trunk.items()}, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        head.load_state_dict({k: v.float() for k, v in mtp.items()}, strict=True)
+
+
+def keep_init_files(src: Path, out: Path, init_tensors: dict, head_only: bool):
+    """The files this run does not change are copied byte for byte; with --head-only the written trunk tensors must
+    equal the initial ones bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copyfile(src / name, out / name)
+    if head_only:
+        new = load_file(str(out / "model.safetensors"))
+        assert sorted(new) == sorted(init_tensors), "tensor names changed"
+        changed = [n for n in new if not n.startswith("mtp.") and not new[n].equal(init_tensors[n])]
+        assert not changed, f"--head-only changed trunk tensors: {changed[:5]}"
+        log(f"trunk tensors bit-identical to {src}; {sum(n.startswith('mtp.') for n in new)} mtp.* tensors retrained")
 
 
 class _null:
