@@ -42,6 +42,7 @@ struct AffineGroup {
   int groups;      // per row
   int group_log2;  // group_size = 1 << group_log2
   bool scales_f32;
+  uint32_t prefetch_bytes;  // of each row's codes, before griddep_wait (device_math.cuh)
 };
 
 __device__ __forceinline__ float code_to_float(uint32_t c) {
@@ -101,6 +102,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     sb[i] = static_cast<size_t>(r) * g.groups;
     scales[i] = g.scales[mi], biases[i] = g.biases[mi];
   }
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+    if (lane == i) prefetch_l2(wr[i], g.prefetch_bytes);
+  griddep_wait();
+  griddep_launch_dependents();
   float acc[R][M];
 #pragma unroll
   for (int i = 0; i < R; ++i)
@@ -168,6 +174,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 template <int MODE>
 __global__ void affine_rows_generic(const AffineGroup g, const float* __restrict__ x, int x_stride,
                                     int m_count, int bits) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int warp = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= g.warps_before[g.count]) return;
   int j = 0;
@@ -212,6 +219,16 @@ __global__ void affine_rows_generic(const AffineGroup g, const float* __restrict
 template <int MODE>
 void launch_rows(AffineGroup g, int bits, const float* x, int64_t m, cudaStream_t s) {
   const bool fast = bits == 4 || bits == 8 || bits == 6;
+  int64_t total_rows = 0;
+  for (int i = 0; i < g.count; ++i) total_rows += g.rows[i];
+  // The bulk prefetch needs 16-byte aligned rows: every row start is when the base is and a row's codes
+  // (cols * bits / 8 bytes) are a multiple of 16.
+  const int64_t row_bytes = static_cast<int64_t>(g.cols) * bits / 8;
+  bool aligned = row_bytes % 16 == 0;
+  for (int i = 0; i < (MODE == kSwiglu ? 2 : g.count); ++i)
+    aligned &= reinterpret_cast<uintptr_t>(g.codes[i]) % 16 == 0;
+  g.prefetch_bytes =
+      fast && aligned ? prefetch_bytes_per_row(MODE == kSwiglu ? 2 * total_rows : total_rows, row_bytes) : 0;
   const int per_warp = !fast || MODE == kSwiglu ? 1 : 2;
   g.warps_before[0] = 0;
   for (int i = 0; i < g.count; ++i)
@@ -233,7 +250,7 @@ void launch_rows(AffineGroup g, int bits, const float* x, int64_t m, cudaStream_
       switch (mc) {
 #define MTPX_AFFINE_CASE(M) \
   case M:                   \
-    return affine_rows_kernel<B, M, MODE><<<blocks, kGemvWarps * 32, 0, s>>>(part, xp, x_stride);
+    return launch_pdl(affine_rows_kernel<B, M, MODE>, blocks, kGemvWarps * 32, s, part, xp, x_stride);
         MTPX_AFFINE_CASE(1)
         MTPX_AFFINE_CASE(2)
         MTPX_AFFINE_CASE(3)
@@ -284,6 +301,7 @@ template <typename S>
 __global__ void dequantize_kernel(const uint32_t* __restrict__ codes, const S* __restrict__ scales,
                                   const S* __restrict__ biases, int64_t cols, int bits, int group_log2,
                                   int64_t rows, __nv_bfloat16* __restrict__ out) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t chunks_per_row = cols / 32;
   const int64_t n = rows * chunks_per_row;
   const uint32_t mask = (1u << bits) - 1u;
@@ -306,6 +324,7 @@ template <typename S>
 __global__ void embed_kernel(const uint32_t* __restrict__ codes, const S* __restrict__ scales,
                              const S* __restrict__ biases, int64_t cols, int bits, int group_log2,
                              const int32_t* __restrict__ tokens, float* __restrict__ out) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t t = blockIdx.x, r = tokens[t];
   const uint32_t mask = (1u << bits) - 1u;
   const uint32_t* row = codes + r * (cols / 32 * bits);

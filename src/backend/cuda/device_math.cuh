@@ -5,6 +5,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "backend/cuda/runtime.h"
+#include "util/error.h"
+
 namespace mtpx::cuda {
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -30,5 +37,59 @@ enum RowEpilogue : int {
 
 // Row kernels run 8 warps per block.
 inline constexpr int kGemvWarps = 8;
+
+// ---- Programmatic dependent launch (sm_90; CUDA programming guide, "Programmatic Dependent Launch").
+// A matrix product is a few microseconds of streaming at this scale, and each one starts with an empty
+// memory pipe: its first loads wait a DRAM round trip after the previous kernel drained. A row kernel
+// launched with launch_pdl() may become resident while the previous kernel of the stream still runs. Before
+// griddep_wait() it touches only its weights (which no kernel writes): it asks L2 for the first bytes of
+// its rows, so the weights stream across the kernel boundary. griddep_wait() returns once every earlier
+// kernel of the stream has completed and its writes are visible, so everything after it (x, y) is ordered
+// as with a plain launch. A kernel calls griddep_launch_dependents() to let the next one start; the row
+// kernels do so after their wait, so at most one kernel runs ahead. Without the attribute both are no-ops.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Bulk prefetch of [p, p + bytes) into L2 (p 16-byte aligned, bytes a multiple of 16).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// Bytes of each weight row a row kernel prefetches before its wait: about kPrefetchBytes in all (what
+// the memory system moves in the ~2 us a kernel boundary costs), in whole 128-byte lines, at most the row.
+inline constexpr int64_t kPrefetchBytes = int64_t{8} << 20;
+inline uint32_t prefetch_bytes_per_row(int64_t total_rows, int64_t row_bytes) {
+  const int64_t per_row =
+      std::min(kPrefetchBytes / std::max<int64_t>(total_rows, 1) / 128 * 128, row_bytes / 16 * 16);
+  return static_cast<uint32_t>(std::max<int64_t>(per_row, 0));
+}
+
+// kernel<<<blocks, threads, 0, s>>>(args...), with programmatic stream serialization when pdl_enabled().
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t s,
+                Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (e != cudaSuccess)
+    fail(ErrorKind::kInternal, "CUDA: row kernel launch failed: {}", cudaGetErrorString(e));
+}
 
 }  // namespace mtpx::cuda

@@ -73,6 +73,7 @@ struct GemvGroup {
   int warps_before[kMaxGroup + 1];  // prefix sums of each matrix's warp count
   int count;
   int cols;
+  uint32_t prefetch_bytes;  // of each row, before griddep_wait (device_math.cuh)
 };
 
 template <typename W, int M, int MODE, int R>  // R weight rows per warp (swiglu: R/2 gate + R/2 up rows)
@@ -93,6 +94,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     wr[i] =
         g.w[mi] + static_cast<size_t>(min(r, g.rows[j] - 1)) * cols;  // past the end: computed, not stored
   }
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+    if (lane == i) prefetch_l2(wr[i], g.prefetch_bytes);
+  griddep_wait();
+  griddep_launch_dependents();
   float acc[R][M];
 #pragma unroll
   for (int i = 0; i < R; ++i)
@@ -145,6 +151,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 // k = l, l + 32, ...  (same mapping for every M: batch-invariant too).
 template <typename W, int MODE>
 __global__ void gemv_rows_scalar(const GemvGroup<W> g, const float* __restrict__ x, int m_count) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int warp = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= g.warps_before[g.count]) return;
   int j = 0;
@@ -180,6 +187,8 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
     aligned &= reinterpret_cast<uintptr_t>(g.w[i]) % 16 == 0;
   int total_rows = 0;
   for (int i = 0; i < g.count; ++i) total_rows += g.rows[i];
+  g.prefetch_bytes = prefetch_bytes_per_row(MODE == kSwiglu ? 2 * total_rows : total_rows,
+                                            static_cast<int64_t>(g.cols) * sizeof(W));
   // Enough warps to keep every SM streaming: 2 rows per warp below 8192 rows (which rows share a warp
   // changes no row's arithmetic, so this choice keeps batch invariance).
   const bool narrow = MODE != kSwiglu && total_rows < 8192 && std::is_same_v<W, __nv_bfloat16>;
@@ -194,11 +203,11 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
     return;
   }
   switch (m) {
-#define MTPX_GEMV_CASE(M)                                                                   \
-  case M:                                                                                   \
-    if constexpr (MODE != kSwiglu && std::is_same_v<W, __nv_bfloat16>)                      \
-      if (narrow) return gemv_rows<W, M, MODE, 2><<<blocks, kGemvWarps * 32, 0, s>>>(g, x); \
-    return gemv_rows<W, M, MODE, kGemvRows><<<blocks, kGemvWarps * 32, 0, s>>>(g, x);
+#define MTPX_GEMV_CASE(M)                                                                        \
+  case M:                                                                                        \
+    if constexpr (MODE != kSwiglu && std::is_same_v<W, __nv_bfloat16>)                           \
+      if (narrow) return launch_pdl(gemv_rows<W, M, MODE, 2>, blocks, kGemvWarps * 32, s, g, x); \
+    return launch_pdl(gemv_rows<W, M, MODE, kGemvRows>, blocks, kGemvWarps * 32, s, g, x);
     MTPX_GEMV_CASE(1)
     MTPX_GEMV_CASE(2)
     MTPX_GEMV_CASE(3)
@@ -223,6 +232,7 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
 // x = hi + lo (+ a remainder below the 16-bit type's precision squared).
 template <typename T>
 __global__ void split_to(const float* __restrict__ x, T* __restrict__ hi, T* __restrict__ lo, int64_t n) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if constexpr (std::is_same_v<T, __half>) {
@@ -245,6 +255,7 @@ void check_cublas(cublasStatus_t st, const char* what) {
 template <typename W>
 __global__ void embed_kernel(const W* __restrict__ table, const int32_t* __restrict__ tokens, int64_t h,
                              float* __restrict__ out) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t t = blockIdx.x;
   const W* row = table + static_cast<int64_t>(tokens[t]) * h;
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) out[t * h + i] = to_float(row[i]);
@@ -252,6 +263,7 @@ __global__ void embed_kernel(const W* __restrict__ table, const int32_t* __restr
 
 __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
                                 float eps, int64_t n, float* out, int64_t out_stride) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   __shared__ float scratch[32];
   const float* xr = x + blockIdx.x * x_stride;
   float* o = out + blockIdx.x * out_stride;
@@ -263,12 +275,14 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t x_stride, c
 }
 
 __global__ void add_kernel(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     x[i] += y[i];
 }
 
 __global__ void swiglu_kernel(const float* gate, const float* __restrict__ up, int64_t n, float* out) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     out[i] = silu(gate[i]) * up[i];
@@ -287,6 +301,7 @@ __global__ void qk_norm_rope_kernel(float* qg, float* k, const float* __restrict
                                     float eps, int64_t nq, int64_t nkv, int64_t d, int64_t rotary_dim,
                                     double theta, const int32_t* __restrict__ pos, float* key_cache,
                                     float* value_cache) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   extern __shared__ float buf[];
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x, head = blockIdx.y;
@@ -332,6 +347,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     attention_kernel(const float* __restrict__ qg, const float* __restrict__ key_cache,
                      const float* __restrict__ value_cache, int64_t nq, int64_t nkv,
                      const int32_t* __restrict__ pos, float* __restrict__ o) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   constexpr int D = 32 * EPL;
   __shared__ float part_m[kAttnWarps], part_l[kAttnWarps];
   __shared__ float part_acc[kAttnWarps][D];
@@ -392,6 +408,7 @@ __global__ void attention_prefill_kernel(const float* __restrict__ qg, const flo
                                          const float* __restrict__ value_cache, int64_t t_count, int64_t nq,
                                          int64_t nkv, int tq, const int32_t* __restrict__ pos,
                                          float* __restrict__ o) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   constexpr int D = 32 * EPL, kTile = 32;
   extern __shared__ float smem[];
   const int group = static_cast<int>(nq / nkv), warps = group * tq;
@@ -465,6 +482,7 @@ constexpr int kMaxConvKernel = 8;
 __global__ void conv_kernel(const float* __restrict__ qkv, float* conv_state, const float* __restrict__ w,
                             int64_t t_count, int64_t channels, int64_t kc, float* __restrict__ x,
                             float* __restrict__ conv_before) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (ch >= channels) return;
   float old[kMaxConvKernel];
@@ -490,6 +508,7 @@ constexpr int64_t kConvRows = 16;
 __global__ void conv_rows_kernel(const float* __restrict__ qkv, const float* __restrict__ conv_state,
                                  const float* __restrict__ w, int64_t t_count, int64_t channels, int64_t kc,
                                  float* __restrict__ x) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (ch >= channels) return;
   auto row = [&](int64_t r) {
@@ -506,6 +525,7 @@ __global__ void conv_rows_kernel(const float* __restrict__ qkv, const float* __r
 __global__ void conv_rollback_kernel(const float* __restrict__ conv_before, const float* __restrict__ qkv,
                                      int64_t keep, int64_t channels, int64_t kc,
                                      float* __restrict__ conv_state) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (ch >= channels) return;
   for (int64_t r = 0; r < kc - 1; ++r) {
@@ -520,6 +540,7 @@ __global__ void deltanet_prepare_kernel(float* x, const float* __restrict__ b, c
                                         const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                                         int64_t hk, int64_t hv, int64_t dk, int64_t conv_dim,
                                         float* __restrict__ beta, float* __restrict__ g) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x, seg = blockIdx.y;
   if (seg == 2 * hk) {
@@ -562,6 +583,7 @@ __global__ void delta_rule_kernel(const float* __restrict__ x, const float* __re
                                   const float* __restrict__ beta, const float* s_in, float* s_out,
                                   float* __restrict__ s_before, float* __restrict__ o, int64_t t_count,
                                   int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   constexpr int kPart = DK / kDeltaParts;
   static_assert(kPart % 4 == 0, "whole float4 per lane");
   __shared__ __align__(16) float qs[kDeltaChunk][DK];
@@ -668,6 +690,7 @@ __global__ void delta_rule_kernel(const float* __restrict__ x, const float* __re
 
 __global__ void gated_rms_norm_kernel(float* o, const float* __restrict__ z, const float* __restrict__ w,
                                       float eps, int64_t n) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   __shared__ float scratch[32];
   float* r = o + blockIdx.x * n;
   const float* zr = z + blockIdx.x * n;
@@ -681,6 +704,7 @@ __global__ void gated_rms_norm_kernel(float* o, const float* __restrict__ z, con
 // The first index of the row's maximum (cpu::argmax), or -1 when the row holds NaN or Inf (the host then
 // reports the non-finite logits, as the CPU path does).
 __global__ void argmax_kernel(const float* __restrict__ logits, int64_t vocab, int64_t limit, int32_t* out) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   __shared__ float best_v[1024];
   __shared__ int32_t best_i[1024];
   __shared__ int non_finite;

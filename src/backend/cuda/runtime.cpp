@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cuda/cublas_api.h"
 #include "util/error.h"
@@ -176,5 +178,13 @@ double bf16_gemm_rate(int n, int reps) {
 }
 
 void check_launch(const char* what) { check(cudaGetLastError(), what); }
+
+bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("MTPX_CUDA_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
 
 }  // namespace mtpx::cuda

@@ -96,4 +96,8 @@ double bf16_gemm_rate(int n, int reps);
 // Throws if the last kernel launch failed (launch configuration errors surface here).
 void check_launch(const char* what);
 
+// Whether the row kernels launch with programmatic stream serialization (device_math.cuh, launch_pdl);
+// MTPX_CUDA_PDL=0 turns it off, to measure what it gives. Read once.
+bool pdl_enabled();
+
 }  // namespace mtpx::cuda
