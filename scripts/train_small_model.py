@@ -50,6 +50,16 @@ engine computes when it drafts K tokens (qwen35_arch.md §6.3). `check_chain` ve
 form against drafting one row at a time at start-up. The report gains `chain_eval_before` / `chain_eval_after_*`
 (per step: head argmax == trunk argmax, all steps so far agreeing, sum min(p_trunk, q_head)).
 
+`--rank-vocab` renumbers the BPE tokens by their count in the training data, most frequent first (the special
+tokens keep the last ids). Byte-level BPE numbers tokens in merge order, which only approximates frequency, and
+mtpx's draft vocabulary (`--draft-vocab N`) is the first N ids: ranked, the first 4096 ids of the shipped model
+cover 94% of code tokens instead of 90%. With --init-from and no training (--train-minutes 0) it renumbers a
+trained model (the embedding rows move with their tokens: the same model, a different numbering) and writes new
+reference outputs and samples:
+
+    command="PYTHONUNBUFFERED=1 python3 scripts/train_small_model.py --out $OUT --init-from models/default
+             --head-only --rank-vocab --train-minutes 0 --deadline-minutes 3 --export-reserve-s 0"
+
 Smoke test on a CPU (~1-2 min, tiny data / model / step count; outputs must stay out of the repository):
 
     python3 scripts/train_small_model.py --smoke --out /tmp/smoke_model --check-engine /tmp/b/mtpx
@@ -220,6 +230,10 @@ def parse_args(argv=None):
     g.add_argument("--mtp-steps", type=int, default=1,
                    help="chained draft steps trained (--head-only): step k feeds step k-1's output as the hidden, "
                         "as drafting does for K >= k")
+    g.add_argument("--rank-vocab", action="store_true",
+                   help="renumber the BPE tokens by their frequency in the training data (most frequent first; "
+                        "special tokens keep their ids), so that a draft vocabulary of the first N ids covers the "
+                        "most text; with --init-from the embedding rows move with their tokens (same model)")
     g.add_argument("--distill", action="store_true",
                    help="(--head-only) target of each head row = the trunk's own next-token distribution at that "
                         "position (soft cross-entropy), not the data token: acceptance is agreement with the trunk")
@@ -1287,6 +1301,10 @@ def check_engine(binary: str, out: Path, threads: int = 0) -> dict:
                   f"  max abs {v['max_abs_err']:.2e}")
 
         sp = out / "heldout_samples.json"
+        cfg = json.loads((out / "config.json").read_text())
+        import make_placeholder_model as mpm
+
+        n_regular = cfg.get("text_config", cfg)["vocab_size"] - len(mpm.SPECIALS)  # the specials are the last ids
         if sp.exists():
             S = json.loads(sp.read_text())
             agree_t = agree_m = n_t = n_m = ok_t = ok_m = ok_t_ref = ok_m_ref = 0
@@ -1336,12 +1354,15 @@ def check_engine(binary: str, out: Path, threads: int = 0) -> dict:
                 if outs.get("plain") is not None:
                     toks = outs["plain"]["tokens"]
                     ref_toks = smp["greedy_ids"]
-                    # compare up to the first near-tie of the reference
+                    # compare up to the first near-tie of the reference, and up to the engine's first special
+                    # token: the reference was generated with min_new_tokens, which suppresses end-of-text
                     lim = len(ref_toks)
                     for t, mg in enumerate(smp["greedy_margins"]):
                         if mg < 1e-3:
                             lim = t + 1
                             break
+                    first_special = next((t for t, x in enumerate(toks) if x >= n_regular), len(toks))
+                    lim = min(lim, first_special)
                     greedy_cmp += 1
                     greedy_match += int(toks[:lim] == ref_toks[:lim])
                     if outs.get("mtp") is not None:
@@ -1434,6 +1455,13 @@ def main(argv=None):
     train_docs = encode_docs(tok, [x for _, x in train_files], workers, dtype)
     held_docs = encode_docs(tok, [x for _, x in held_files], workers, dtype)
     train_stream = join_docs(train_docs, eot, dtype)
+    old_of_new = None
+    if args.rank_vocab:
+        tok, new_of_old, report["rank_vocab"] = rank_vocab(tok, train_stream)
+        old_of_new = np.argsort(new_of_old)
+        train_stream = new_of_old[train_stream].astype(dtype)
+        held_docs = [new_of_old[d].astype(dtype) for d in held_docs]
+        log(f"vocabulary ranked by frequency: {report['rank_vocab']}")
     held_stream = join_docs(held_docs, eot, dtype)
     train_bytes = sum(len(x.encode()) for _, x in train_files)
     held_bytes = sum(len(x.encode()) for _, x in held_files)
@@ -1474,6 +1502,8 @@ def main(argv=None):
             model.model.embed_tokens.weight[ntok:] = 0.0  # rows no token maps to
     head = make_mtp_head(cfg)
     if init:
+        if old_of_new is not None:
+            init["tensors"] = permute_embedding(init["tensors"], old_of_new)
         load_init_weights(model, head, init["tensors"])
     pc = param_counts(model, head)
     bf16_mib = (pc["total"] * 2) / MIB
@@ -1571,7 +1601,7 @@ def main(argv=None):
     head.cpu()
     finalize(args, out, tok, tc, model, head, held_docs, report, device)
     if init:
-        keep_init_files(Path(args.init_from), out, init["tensors"], args.head_only)
+        keep_init_files(Path(args.init_from), out, init["tensors"], args.head_only, keep_tokenizer=not args.rank_vocab)
     report["timing"]["export_s"] = round(time.time() - t, 1)
     report["timing"]["total_s"] = round(time.time() - T_START, 1)
     report.pop("_held_names", None)
@@ -1630,21 +1660,57 @@ def load_init_weights(model, head, tensors: dict):
         head.load_state_dict({k: v.float() for k, v in mtp.items()}, strict=True)
 
 
-def keep_init_files(src: Path, out: Path, init_tensors: dict, head_only: bool):
+def rank_vocab(tok, train_stream: np.ndarray):
+    """Renumbers the BPE tokens by descending count in `train_stream` (ties: old id order); the special tokens
+    (added after the BPE vocabulary) keep their ids. Returns the new tokenizer, new_of_old (old id -> new id) and
+    coverage figures. Encoding is unchanged up to the renumbering (BPE merges are stored as strings)."""
+    import make_placeholder_model as mpm
+    from tokenizers import Tokenizer
+
+    ntok = tok.get_vocab_size()
+    nbpe = ntok - len(mpm.SPECIALS)
+    counts = np.bincount(train_stream.astype(np.int64), minlength=ntok)
+    order = np.argsort(-counts[:nbpe], kind="stable")  # new id -> old id
+    new_of_old = np.arange(ntok, dtype=np.int64)
+    new_of_old[order] = np.arange(nbpe)
+    j = json.loads(tok.to_str())
+    vocab = j["model"]["vocab"]
+    assert len(vocab) == nbpe and max(vocab.values()) == nbpe - 1, "special tokens inside the BPE vocabulary"
+    j["model"]["vocab"] = {t: int(new_of_old[i]) for t, i in vocab.items()}
+    ranked = Tokenizer.from_str(json.dumps(j))
+    probe = "def f(x):\n    return {'key': x ** 2}  # comment\n<|im_start|>user\nhi<|im_end|>"
+    assert ranked.encode(probe).ids == [int(new_of_old[i]) for i in tok.encode(probe).ids], "renumbering changed BPE"
+    total = float(counts[:nbpe].sum())
+    cover = {f"first_{n}_ids_before": round(float(counts[:n].sum()) / total, 4) for n in (2048, 4096)}
+    cover.update({f"first_{n}_ids_after": round(float(counts[order[:n]].sum()) / total, 4) for n in (2048, 4096)})
+    return ranked, new_of_old, cover
+
+
+def permute_embedding(tensors: dict, old_of_new: np.ndarray) -> dict:
+    import torch
+
+    name = "model.language_model.embed_tokens.weight"
+    out = dict(tensors)
+    out[name] = tensors[name][torch.from_numpy(old_of_new)].contiguous()  # row new = old row old_of_new[new]
+    return out
+
+
+def keep_init_files(src: Path, out: Path, init_tensors: dict, head_only: bool, keep_tokenizer: bool = True):
     """The files this run does not change are copied byte for byte; with --head-only the written trunk tensors must
-    equal the initial ones bit for bit."""
+    equal the initial ones bit for bit (after --rank-vocab: the renumbered embedding)."""
     import shutil
 
     from safetensors.torch import load_file
 
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json") + (
+            ("tokenizer.json",) if keep_tokenizer else ()):
         shutil.copyfile(src / name, out / name)
     if head_only:
         new = load_file(str(out / "model.safetensors"))
         assert sorted(new) == sorted(init_tensors), "tensor names changed"
         changed = [n for n in new if not n.startswith("mtp.") and not new[n].equal(init_tensors[n])]
         assert not changed, f"--head-only changed trunk tensors: {changed[:5]}"
-        log(f"trunk tensors bit-identical to {src}; {sum(n.startswith('mtp.') for n in new)} mtp.* tensors retrained")
+        log(f"trunk tensors bit-identical to {src}" + ("" if keep_tokenizer else " (embedding rows renumbered)"))
 
 
 class _null:
