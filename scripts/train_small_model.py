@@ -1681,7 +1681,7 @@ def rank_vocab(tok, train_stream: np.ndarray):
     probe = "def f(x):\n    return {'key': x ** 2}  # comment\n<|im_start|>user\nhi<|im_end|>"
     assert ranked.encode(probe).ids == [int(new_of_old[i]) for i in tok.encode(probe).ids], "renumbering changed BPE"
     total = float(counts[:nbpe].sum())
-    cover = {f"first_{n}_ids_before": round(float(counts[:n].sum()) / total, 4) for n in (2048, 4096)}
+    cover = {f"first_{n}_ids_before": round(float(counts[:min(n, nbpe)].sum()) / total, 4) for n in (2048, 4096)}
     cover.update({f"first_{n}_ids_after": round(float(counts[order[:n]].sum()) / total, 4) for n in (2048, 4096)})
     return ranked, new_of_old, cover
 
