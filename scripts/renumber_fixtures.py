@@ -48,6 +48,7 @@ def main():
 
     import torch
     from safetensors.numpy import load_file, save_file
+    from safetensors.torch import load_file as load_torch_file
 
     import make_reference_fixtures as mrf
     import train_small_model as tsm
@@ -85,8 +86,7 @@ def main():
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
     model = Qwen3_5ForCausalLM(cfg).float().eval()
-    tensors = {k: v.float() for k, v in __import__("safetensors.torch", fromlist=["x"]).load_file(
-        str(a.new / "model.safetensors")).items()}
+    tensors = {k: v.float() for k, v in load_torch_file(str(a.new / "model.safetensors")).items()}
     head = tsm.make_mtp_head(cfg).float().eval()
     tsm.load_init_weights(model, head, tensors)
     mtp_sd = {n: t for n, t in tensors.items() if n.startswith("mtp.")}

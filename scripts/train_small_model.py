@@ -508,14 +508,17 @@ def make_mtp_head(cfg):
             assert self.layers[0].block_type == "full_attention"
             self.norm = Qwen3_5RMSNorm(H, eps=cfg.rms_norm_eps)
 
+        def fc_input(self, embed_tokens, hidden, ids):
+            """mtp.fc over concat(norm(embed(ids)), norm(hidden)): the embedding first (spec §6)."""
+            e = self.pre_fc_norm_embedding(embed_tokens(ids))
+            return self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
+
         def forward(self, embed_tokens, rotary_emb, hidden, next_ids):
             """hidden [B, R, H] = h_0..h_{R-1} (post-final-norm), next_ids [B, R] = x_1..x_R.
             Returns the MTP output hidden m [B, R, H]; row t predicts x_{t+2}. Causal attention over rows, RoPE
             position t (sdpa with no mask = causal)."""
             B, R = next_ids.shape
-            e = self.pre_fc_norm_embedding(embed_tokens(next_ids))
-            hh = self.pre_fc_norm_hidden(hidden)
-            u = self.fc(torch.cat([e, hh], dim=-1))
+            u = self.fc_input(embed_tokens, hidden, next_ids)
             pos = torch.arange(R, device=u.device)[None].expand(B, R)
             cos, sin = rotary_emb(u, pos[None].expand(3, B, R))
             mask = None
@@ -538,8 +541,7 @@ def make_mtp_head(cfg):
             us, poss, outs = [], [], []
             hid = hidden
             for k, ids in enumerate(ids_per_step):
-                e = self.pre_fc_norm_embedding(embed_tokens(ids))
-                us.append(self.fc(torch.cat([e, self.pre_fc_norm_hidden(hid)], dim=-1)))
+                us.append(self.fc_input(embed_tokens, hid, ids))
                 poss.append(torch.arange(R, device=ids.device) + k)
                 u = torch.cat(us, dim=1)
                 pos = torch.cat(poss)[None].expand(B, -1)
@@ -753,14 +755,13 @@ def forward_losses_head(model, head, x, steps: int, distill: bool, need_stats: b
     weights = [steps - k for k in range(steps)]
     for k, m in enumerate(ms, 1):
         lsm = F.log_softmax(model.lm_head(m).float(), dim=-1)
+        p = F.softmax(logits[:, k:k + R].float(), dim=-1) if distill or need_stats else None
         if distill:
-            p = F.softmax(logits[:, k:k + R].float(), dim=-1)
             losses.append(-(p * lsm).sum(-1).mean())
         else:
             losses.append(F.nll_loss(lsm.reshape(-1, lsm.shape[-1]), x[:, k + 1:k + 1 + R].reshape(-1)))
         if need_stats:
             with torch.no_grad():
-                p = F.softmax(logits[:, k:k + R].float(), dim=-1)
                 agree = lsm.argmax(-1) == logits[:, k:k + R].argmax(-1)
                 joint = agree if joint is None else joint & agree
                 st[k] = {"agree": agree.sum(), "joint_agree": joint.sum(),
@@ -816,15 +817,11 @@ def check_chain(model, head, x, steps: int) -> float:
             worst = float((ms[0] - m1).abs().max())
             B = x.shape[0]
 
-            def u_of(hid, ids):
-                e = head.pre_fc_norm_embedding(emb(ids))
-                return head.fc(torch.cat([e, head.pre_fc_norm_hidden(hid)], dim=-1))
-
             for t in sorted({0, 1, R // 2, R - 1}):
-                rows = [u_of(h[:, :t + 1], x[:, 1:t + 2])]
+                rows = [head.fc_input(emb, h[:, :t + 1], x[:, 1:t + 2])]
                 hid = m1[:, t:t + 1]
                 for k in range(2, steps + 1):
-                    rows.append(u_of(hid, x[:, t + k:t + k + 1]))
+                    rows.append(head.fc_input(emb, hid, x[:, t + k:t + k + 1]))
                     u = torch.cat(rows, dim=1)
                     pos = torch.cat([torch.arange(t + 1), torch.arange(t + 1, t + k)]).to(x.device)[None].expand(B, -1)
                     cos, sin = rot(u, pos[None].expand(3, B, -1))
