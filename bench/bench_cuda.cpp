@@ -124,7 +124,7 @@ int main(int argc, char** argv) {
     };
 
     // Decode: T = 1 steps after a 32-token prompt.
-    const int64_t capacity = 64 + decode_tokens + prefill_tokens;
+    const int64_t capacity = 64 + decode_tokens + prefill_tokens + 9 * 25;  // (c(K) keeps a token per pass)
     InferenceState state = model->new_state(capacity);
     ForwardResult r;
     model->forward(state, ids(32, 1), LogitRows::kLast, r);
@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
       for (int rep = 0; rep < 25; ++rep) {
         auto t = Clock::now();
         model->forward(state, window, k == 0 ? LogitRows::kLast : LogitRows::kAll, r, /*record_window=*/true);
-        model->rollback(state, 0);
+        model->rollback(state, 1);
         times.push_back(seconds_since(t));
       }
       c_of_k.push_back(median(times));

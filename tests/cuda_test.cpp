@@ -94,7 +94,7 @@ TEST_P(CudaFixture, VerifyWindowIsBitwiseDecodeAndRollbackIsExact) {
   MTPX_GPU_MODEL(m, kFixtures / GetParam());
   const auto prompt = prompt_for(*m, 6);
   const std::vector<int32_t> window = {3, 1, 4, 1, 5};
-  for (int64_t keep = 0; keep <= static_cast<int64_t>(window.size()); ++keep) {
+  for (int64_t keep = 1; keep <= static_cast<int64_t>(window.size()); ++keep) {
     InferenceState a = m->new_state(32), b = m->new_state(32);
     ForwardResult ra, rb;
     m->forward(a, prompt, LogitRows::kLast, ra);

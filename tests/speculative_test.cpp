@@ -117,6 +117,11 @@ TEST(Rollback, RecordedWindowCutBackIsBitwiseExact) {
     ASSERT_EQ(0, std::memcmp(ra.logits.data(), rb.logits.data(), ra.logits.size() * sizeof(float)))
         << "keep " << keep;
   }
+  // The window's first token is always kept (a verify window starts with the last emitted token).
+  InferenceState a = model->new_state(32);
+  ForwardResult ra;
+  model->forward(a, window, LogitRows::kAll, ra, /*record_window=*/true);
+  EXPECT_THROW(model->rollback(a, 0), Error);
 }
 
 struct LosslessCase {

@@ -59,6 +59,50 @@ TEST(TrainedModel, LogitsHiddenAndMtpLogitsMatchTransformersOnHeldOutCode) {
   }
 }
 
+// A head pass asked for its last row's logits computes only that row through the layer; the rows before it
+// only write keys and values. The last row and the cache it leaves must be what a pass of every row gives:
+// bitwise for windows (the row kernels are batch-invariant), to float rounding for a prompt pass (whose
+// all-rows form attends in GEMM blocks).
+TEST(TrainedModel, MtpLastRowPassEqualsTheLastRowOfAFullPass) {
+  auto model = Model::load(kDefaultModel);
+  const auto prompt = samples()[0]["prompt_ids"].get<std::vector<int32_t>>();
+  const int64_t n = static_cast<int64_t>(prompt.size()), H = model->config().hidden_size;
+  ASSERT_GE(n, 24);
+  InferenceState state = model->new_state(n);
+  ForwardResult r;
+  model->forward(state, prompt, LogitRows::kAll, r);
+  auto hidden = [&](int64_t from, int64_t count) {
+    return std::span<const float>(&r.hidden[static_cast<size_t>(from * H)], static_cast<size_t>(count * H));
+  };
+  auto tokens = [&](int64_t from, int64_t count) {  // row t pairs h_t with the token at t + 1
+    return std::span<const int32_t>(&prompt[static_cast<size_t>(from + 1)], static_cast<size_t>(count));
+  };
+  const int64_t prefix = n - 5;  // rows [0, prefix) as a prompt pass, then windows of 3 and 1 rows
+  MtpState last_only(model->config(), n), every_row(model->config(), n);
+  MtpResult a, b;
+  mtp_forward(*model, last_only, hidden(0, prefix), tokens(0, prefix), 0, LogitRows::kLast, a);
+  mtp_forward(*model, every_row, hidden(0, prefix), tokens(0, prefix), 0, LogitRows::kAll, b);
+  ASSERT_EQ(a.hidden.size(), static_cast<size_t>(H));
+  const std::vector<float> b_last_logits(b.logits.end() - static_cast<int64_t>(a.logits.size()),
+                                         b.logits.end());
+  EXPECT_LT(
+      testing_util::worst_row_relative_error(a.logits, b_last_logits, static_cast<int64_t>(a.logits.size())),
+      1e-5);
+  for (auto [from, count] : {std::pair<int64_t, int64_t>{prefix, 3}, {prefix + 3, 1}}) {
+    mtp_forward(*model, last_only, hidden(from, count), tokens(from, count), from, LogitRows::kLast, a);
+    mtp_forward(*model, every_row, hidden(from, count), tokens(from, count), from, LogitRows::kAll, b);
+    ASSERT_EQ(a.hidden.size(), static_cast<size_t>(H));
+    ASSERT_EQ(b.hidden.size(), static_cast<size_t>(count * H));
+    EXPECT_EQ(
+        0, std::memcmp(a.hidden.data(), &b.hidden[static_cast<size_t>((count - 1) * H)], H * sizeof(float)))
+        << count << " rows";
+    ASSERT_EQ(b.logits.size(), count * a.logits.size());
+    EXPECT_EQ(0, std::memcmp(a.logits.data(), &b.logits[(count - 1) * a.logits.size()],
+                             a.logits.size() * sizeof(float)))
+        << count << " rows";
+  }
+}
+
 TEST(TrainedModel, GreedyContinuationsMatchTransformers) {
   auto model = Model::load(kDefaultModel);
   for (const auto& sample : samples()) {

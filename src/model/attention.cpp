@@ -59,7 +59,7 @@ void softmax_in_place(float* scores, int64_t n) {
 
 // Decode and verify windows: one (query, head) at a time, in key order, so a row's result does not depend
 // on how many rows share the call (batch invariance).
-// qg: [T, nq, 2D] (query | gate); o: [T, nq, D].
+// Rows p0 .. p0+T-1; qg: [T, nq, 2D] (query | gate); o: [T, nq, D].
 void attend_rows(const float* qg, const KvCache& cache, int64_t p0, int64_t T, int64_t nq, int64_t nkv,
                  int64_t D, float scale, float* o) {
   const int64_t group = nq / nkv, max_keys = p0 + T;
@@ -113,16 +113,25 @@ void attend_blocks(const float* qg, const KvCache& cache, int64_t p0, int64_t T,
 }  // namespace
 
 void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, KvCache& cache, int64_t p0,
-                             const float* h, int64_t T, float* out) {
+                             const float* h, int64_t T, float* out, int64_t out_rows) {
   const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_kv_heads;
+  const int64_t skip = T - out_rows;  // rows that only fill the cache
   const float eps = static_cast<float>(c.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
 
   std::vector<float> qg(static_cast<size_t>(T * nq * 2 * D));  // [T, nq, 2D]
   std::vector<float> k(static_cast<size_t>(T * nkv * D));      // [T, nkv, D]
   std::vector<float> v(static_cast<size_t>(T * nkv * D));      // [T, nkv, D]
-  const cpu::MatmulTarget qkv[] = {{&w.q_proj, qg.data()}, {&w.k_proj, k.data()}, {&w.v_proj, v.data()}};
-  cpu::matmul_shared_input(qkv, h, T);
+  if (skip > 0 && T >= cpu::kGemmMinRows) {
+    // A prompt pass of the MTP head: the queries of the last rows only.
+    const cpu::MatmulTarget kv[] = {{&w.k_proj, k.data()}, {&w.v_proj, v.data()}};
+    cpu::matmul_shared_input(kv, h, T);
+    cpu::matmul(w.q_proj, h + skip * c.hidden_size, out_rows, &qg[static_cast<size_t>(skip * nq * 2 * D)]);
+  } else {
+    // Decode and verify windows: one thread team for all three (the extra query rows cost little).
+    const cpu::MatmulTarget qkv[] = {{&w.q_proj, qg.data()}, {&w.k_proj, k.data()}, {&w.v_proj, v.data()}};
+    cpu::matmul_shared_input(qkv, h, T);
+  }
 
   // The cache grows with the positions used (std::vector doubles its capacity): a state's memory follows
   // the tokens processed, not the prompt + max_tokens it was created for.
@@ -136,7 +145,7 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
   for (int64_t t = 0; t < T; ++t) {
     const int64_t pos = p0 + t;
     const RopeAngles rope(c.rotary_dim, c.rope_theta, pos);
-    for (int64_t hq = 0; hq < nq; ++hq) {
+    for (int64_t hq = 0; t >= skip && hq < nq; ++hq) {
       float* q = &qg[static_cast<size_t>((t * nq + hq) * 2 * D)];
       cpu::rms_norm(q, w.q_norm.data(), eps, D, q);
       rope.apply(q);
@@ -152,19 +161,21 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
                 &cache.values[static_cast<size_t>(pos * nkv * D)]);
   }
 
-  // o[t, hq] = softmax(q k^T / sqrt(D)) v over positions 0..p0+t, then * sigmoid(gate).
-  std::vector<float> o(static_cast<size_t>(T * nq * D));  // [T, nq, D]
-  if (T >= cpu::kGemmMinRows)
-    attend_blocks(qg.data(), cache, p0, T, nq, nkv, D, scale, o.data());
+  // o[t, hq] = softmax(q k^T / sqrt(D)) v over positions 0..p0+t, then * sigmoid(gate); for the last
+  // out_rows rows only.
+  const float* qg_out = &qg[static_cast<size_t>(skip * nq * 2 * D)];
+  std::vector<float> o(static_cast<size_t>(out_rows * nq * D));  // [out_rows, nq, D]
+  if (out_rows >= cpu::kGemmMinRows)
+    attend_blocks(qg_out, cache, p0 + skip, out_rows, nq, nkv, D, scale, o.data());
   else
-    attend_rows(qg.data(), cache, p0, T, nq, nkv, D, scale, o.data());
-  for (int64_t t = 0; t < T; ++t)
+    attend_rows(qg_out, cache, p0 + skip, out_rows, nq, nkv, D, scale, o.data());
+  for (int64_t t = 0; t < out_rows; ++t)
     for (int64_t hq = 0; hq < nq; ++hq) {
       float* od = &o[static_cast<size_t>((t * nq + hq) * D)];
-      const float* gate = &qg[static_cast<size_t>((t * nq + hq) * 2 * D + D)];
+      const float* gate = &qg_out[static_cast<size_t>((t * nq + hq) * 2 * D + D)];
       cpu::mul_sigmoid(gate, D, od);
     }
-  cpu::matmul(w.o_proj, o.data(), T, out);
+  cpu::matmul(w.o_proj, o.data(), out_rows, out);
 }
 
 }  // namespace mtpx

@@ -7,27 +7,32 @@
 #include "model/attention.h"
 #include "model/gated_deltanet.h"
 #include "model/mlp.h"
+#include "util/error.h"
 
 namespace mtpx {
 
 void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCache* kv, DeltaNetState* delta,
-                           int64_t p0, float* x, int64_t T, bool record_window) {
+                           int64_t p0, float* x, int64_t T, bool record_window, int64_t out_rows) {
   const int64_t H = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  std::vector<float> normed(static_cast<size_t>(T * H)), branch(static_cast<size_t>(T * H));  // [T, H]
+  if (out_rows <= 0 || out_rows > T) out_rows = T;
+  if (out_rows < T && layer.type != LayerType::kFullAttention)
+    fail(ErrorKind::kInternal, "decoder_layer_forward: a DeltaNet layer computes every row");
+  std::vector<float> normed(static_cast<size_t>(T * H)), branch(static_cast<size_t>(out_rows * H));
   for (int64_t t = 0; t < T; ++t)
     cpu::rms_norm(x + t * H, layer.input_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
   if (layer.type == LayerType::kFullAttention) {
-    gated_attention_forward(*layer.attention, c, *kv, p0, normed.data(), T, branch.data());
+    gated_attention_forward(*layer.attention, c, *kv, p0, normed.data(), T, branch.data(), out_rows);
   } else {
     gated_deltanet_forward(*layer.delta_net, c, *delta, normed.data(), T, branch.data(), DeltaRuleForm::kAuto,
                            record_window);
   }
-  cpu::add_inplace(x, branch.data(), T * H);
-  for (int64_t t = 0; t < T; ++t)
-    cpu::rms_norm(x + t * H, layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
-  mlp_forward(layer.mlp, normed.data(), T, branch.data());
-  cpu::add_inplace(x, branch.data(), T * H);
+  float* out = x + (T - out_rows) * H;  // the rows computed from here on
+  cpu::add_inplace(out, branch.data(), out_rows * H);
+  for (int64_t t = 0; t < out_rows; ++t)
+    cpu::rms_norm(out + t * H, layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
+  mlp_forward(layer.mlp, normed.data(), out_rows, branch.data());
+  cpu::add_inplace(out, branch.data(), out_rows * H);
 }
 
 void norm_and_logits(const ModelConfig& c, const cpu::WeightMatrix& lm_head, const std::vector<float>& norm,

@@ -16,9 +16,12 @@ enum class LogitRows { kNone, kLast, kAll };
 //   x += mixer(RMSNorm1p(x));  x += MLP(RMSNorm1p(x))
 // The mixer is gated full attention over `kv` for full-attention layers, Gated DeltaNet on `delta`
 // otherwise (record_window: keep what a rollback needs).
+// out_rows > 0 (full attention only): only the last out_rows rows of x are computed; the rows before them
+// only write their keys and values to `kv` (x keeps their input there). The MTP head drafts from its last
+// row, so its other rows (the accepted tokens it catches up on, a prompt) need nothing else.
 void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& config, KvCache* kv,
                            DeltaNetState* delta, int64_t p0, float* x, int64_t t_count,
-                           bool record_window = false);
+                           bool record_window = false, int64_t out_rows = 0);
 
 // hidden = RMSNorm1p(x, norm) for all T rows; logits = hidden @ lm_head^T for the rows asked for.
 // next_prefix_rows > 0: the next product reads lm_head rows [0, next_prefix_rows) (the MTP head's draft

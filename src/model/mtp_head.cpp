@@ -36,6 +36,7 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
     if (state.device() == nullptr) invalid_input("mtp_forward: a host MTP state with a device model");
     e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, argmax_limit, result.hidden,
                    result.logits, result.argmax);
+    if (rows == LogitRows::kLast) result.hidden.erase(result.hidden.begin(), result.hidden.end() - H);
     for (int32_t id : result.argmax)
       if (id < 0)
         model.fail_non_finite(fmt::format("in the MTP head's logits at positions {}..{}", p0, p0 + T - 1));
@@ -54,13 +55,16 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   std::vector<float> x(static_cast<size_t>(T * H));  // [T, H]
   cpu::matmul(head->fc, joined.data(), T, x.data());
   // One full-attention decoder layer (the trunk's code) with the head's own KV cache, then mtp.norm and
-  // the shared lm_head.
-  decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T);
+  // the shared lm_head. With kLast the rows before the last only write the cache: nothing reads their
+  // outputs, and the last row's result is the same either way (batch invariance).
+  const int64_t out_rows = rows == LogitRows::kLast ? 1 : T;
+  decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T, false, out_rows);
   // A draft vocabulary reads the first logit_ids rows of the lm_head (a view: rows are contiguous in
   // every weight layout, codes and scales alike).
   cpu::WeightMatrix lm_head = w.lm_head;
   if (logit_ids > 0) lm_head.rows = std::min(logit_ids, lm_head.rows);
-  norm_and_logits(c, lm_head, head->norm, x.data(), T, rows, result.hidden, result.logits);
+  norm_and_logits(c, lm_head, head->norm, &x[static_cast<size_t>((T - out_rows) * H)], out_rows, rows,
+                  result.hidden, result.logits);
   const std::vector<float>& out = rows == LogitRows::kNone ? result.hidden : result.logits;
   if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
     model.fail_non_finite(fmt::format("in the MTP head's {} at positions {}..{}",

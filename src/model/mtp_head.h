@@ -32,7 +32,8 @@ class MtpState {
 MtpState new_mtp_state(const Model& model, int64_t capacity);
 
 struct MtpResult {
-  std::vector<float> hidden;    // [T, H]  post-mtp.norm (fed back as the hidden of a chained draft step)
+  std::vector<float> hidden;    // [T, H] post-mtp.norm, the last row only ([1, H]) with LogitRows::kLast
+                                // (fed back as the hidden of a chained draft step)
   std::vector<float> logits;    // [rows, V] (empty on a device when argmax was asked for)
   std::vector<int32_t> argmax;  // [rows] with argmax_limit > 0, as ForwardResult::argmax
 };

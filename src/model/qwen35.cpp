@@ -123,8 +123,8 @@ void Model::fail_non_finite(const std::string& what) const {
 }
 
 void Model::rollback(InferenceState& state, int64_t keep) const {
-  if (keep < 0 || keep > state.window_tokens())
-    invalid_input("rollback to {} tokens of a {}-token window", keep, state.window_tokens());
+  if (keep < 1 || keep > state.window_tokens())
+    invalid_input("rollback to {} tokens of a {}-token window (at least 1)", keep, state.window_tokens());
   if (executor_)
     executor_->rollback(*state.device(), state.window_tokens(), keep);
   else

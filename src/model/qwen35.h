@@ -72,7 +72,8 @@ class Model {
   // Scans the mapped weights, so it is only called on that error path.
   [[noreturn]] void fail_non_finite(const std::string& what) const;
 
-  // Keeps only the first `keep` tokens of the last recorded window: attention KV is truncated by moving
+  // Keeps only the first `keep` tokens (1 <= keep <= T) of the last recorded window of T tokens (a verify
+  // window's first token is the last one emitted, never rolled back): attention KV is truncated by moving
   // the position back (later writes overwrite the rest); DeltaNet states and conv rows are taken from the
   // window's per-token snapshots (deltanet_rollback).
   void rollback(InferenceState& state, int64_t keep) const;

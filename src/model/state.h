@@ -18,16 +18,15 @@ struct KvCache {
   std::vector<float> values;  // [positions, nkv, D]
 };
 
-// What a recorded forward window keeps to roll back to any prefix of itself (spec §7, the snapshot
-// option): the recurrent state before the window and after each of its tokens, and the pre-conv rows. The
-// recurrence writes each token's state to its own buffer (out of place, the same arithmetic), and buffers
-// change hands by swapping, so a window copies no state and a rollback replays nothing: it swaps the kept
-// snapshot in, bit-identical to having run only those tokens. (The replay this replaced cost a state copy
-// on each side and a second delta rule per kept token: a quarter of a two-row verify on the shipped model,
-// BENCHMARKS.md session 8.)
+// What a recorded forward window keeps to roll back to any non-empty prefix of itself (spec §7, the
+// snapshot option; a verify window's first token is the last one emitted, always kept): the recurrent
+// state after each of its tokens, and the pre-conv rows. The recurrence writes each token's state to its
+// own buffer (the first in place, the same arithmetic), and buffers change hands by swapping, so a window
+// copies no state and a rollback replays nothing: it swaps the kept snapshot in, bit-identical to having
+// run only those tokens. (The replay this replaced cost a state copy on each side and a second delta rule
+// per kept token: a quarter of a two-row verify on the shipped model, BENCHMARKS.md session 8.)
 struct DeltaNetWindow {
   int64_t tokens = 0;
-  std::vector<float> ssm_before;              // [Hv, Dk, Dv] the state before the window
   std::vector<std::vector<float>> ssm_after;  // [T][Hv, Dk, Dv] after token t; slot T-1 is swapped with the
                                               // state itself at the end of the window (stale from then on)
   std::vector<float> conv_before;             // [Kc-1, conv_dim]
