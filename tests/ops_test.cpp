@@ -178,6 +178,32 @@ TEST(DeltaRuleStep, SameBitsWhateverTheWidth) {
 
 // The vector argmax gives argmax's index: ties (the first wins), +0 and -0, the maximum in the tail or in the
 // first lane, every length, and NaN anywhere.
+// Every length around the vector blocks, a NaN, +Inf or -Inf at every position is found; the largest
+// finite values, denormals and -0 are finite.
+TEST(AllFinite, FindsNanAndInfAtEveryPositionAndAcceptsExtremeFiniteValues) {
+  const float finite[] = {0.0f,
+                          -0.0f,
+                          std::numeric_limits<float>::max(),
+                          -std::numeric_limits<float>::max(),
+                          std::numeric_limits<float>::denorm_min(),
+                          1.0f,
+                          -3.5f};
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+                       std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
+  for (int64_t n = 0; n <= 97; ++n) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = finite[i % 7];
+    ASSERT_TRUE(all_finite(x.data(), n)) << n;
+    for (int64_t i = 0; i < n; ++i)
+      for (float b : bad) {
+        const float keep = x[static_cast<size_t>(i)];
+        x[static_cast<size_t>(i)] = b;
+        ASSERT_FALSE(all_finite(x.data(), n)) << "length " << n << " position " << i << " value " << b;
+        x[static_cast<size_t>(i)] = keep;
+      }
+  }
+}
+
 TEST(ArgmaxRowsKernel, SameIndexAsTheLoop) {
   std::mt19937 rng(3);
   std::uniform_int_distribution<int> coarse(-6, 6);

@@ -378,8 +378,10 @@ int32_t argmax_rows_kernel(const float* x, int64_t n) {
   return avx2 && n >= 8 ? argmax_avx2(x, n) : argmax(x, n);
 }
 
-bool all_finite(const float* x, int64_t n) {
-  // On the bits (an all-ones exponent is NaN or Inf): vectorizes, and -ffast-math could not fold it away.
+namespace {
+
+// On the bits (an all-ones exponent is NaN or Inf), so -ffast-math could not fold it away.
+bool all_finite_scalar(const float* x, int64_t n) {
   uint32_t worst = 0;
   for (int64_t i = 0; i < n; ++i) {
     uint32_t bits;
@@ -387,6 +389,29 @@ bool all_finite(const float* x, int64_t n) {
     worst = std::max(worst, bits & 0x7f800000u);
   }
   return worst != 0x7f800000u;
+}
+
+// 32 values per step: an exponent field is all ones exactly when (bits & mask) == mask. (The scalar loop
+// compiles to baseline SSE2, which has no unsigned max: 2 us per 8192-id logit row, checked once per row of
+// every pass, against 0.3 us here.)
+__attribute__((target("avx2"))) bool all_finite_avx2(const float* x, int64_t n) {
+  const __m256i mask = _mm256_set1_epi32(0x7f800000);
+  __m256i any = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int j = 0; j < 4; ++j) {
+      const __m256i e =
+          _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8 * j)), mask);
+      any = _mm256_or_si256(any, _mm256_cmpeq_epi32(e, mask));
+    }
+  return _mm256_testz_si256(any, any) != 0 && all_finite_scalar(x + i, n - i);
+}
+
+}  // namespace
+
+bool all_finite(const float* x, int64_t n) {
+  static const bool avx2 = cpu_has_avx2();
+  return avx2 ? all_finite_avx2(x, n) : all_finite_scalar(x, n);
 }
 
 }  // namespace mtpx::cpu
