@@ -95,27 +95,32 @@ int main(int argc, char** argv) {
              100 * ref_head, 100 * ref_mtp);
   const fs::path tmp = fs::temp_directory_path() / fmt::format("mtpx_quant_quality_{}", ::getpid());
   fs::create_directories(tmp);
-  for (auto [bits, embed_bits] : std::vector<std::pair<int, int>>{{8, 0}, {6, 0}, {4, 0}, {4, 6}, {4, 8}}) {
-    const fs::path out = tmp / fmt::format("q{}_{}", bits, embed_bits);
-    mtpx::tools::QuantizeOptions o;
-    o.quant.bits = bits;
-    o.quant.embed_bits = embed_bits;
-    const auto report = mtpx::tools::quantize_model(model_dir, out, o);
-    const auto q = mtpx::Model::load(out);
-    int64_t agree = 0, decode_agree = 0, total = 0;
-    for (size_t i = 0; i < texts.size(); ++i) {
-      const auto got = argmaxes(*q, texts[i]);
-      const auto got_decode = decode_argmaxes(*q, texts[i]);
-      for (size_t t = 0; t < got.size(); ++t)
-        agree += got[t] == ref_top1[i][t], decode_agree += got_decode[t] == ref_decode_top1[i][t], ++total;
+  using mtpx::tools::QuantMethod;
+  for (auto [bits, embed_bits] : std::vector<std::pair<int, int>>{{8, 0}, {6, 0}, {4, 0}, {4, 6}, {4, 8}})
+    for (QuantMethod method : {QuantMethod::kMlx, QuantMethod::kLeastSquares}) {
+      const fs::path out = tmp / fmt::format("q{}_{}_{}", bits, embed_bits, static_cast<int>(method));
+      mtpx::tools::QuantizeOptions o;
+      o.quant.bits = bits;
+      o.quant.embed_bits = embed_bits;
+      o.quant.method = method;
+      const auto report = mtpx::tools::quantize_model(model_dir, out, o);
+      const auto q = mtpx::Model::load(out);
+      int64_t agree = 0, decode_agree = 0, total = 0;
+      for (size_t i = 0; i < texts.size(); ++i) {
+        const auto got = argmaxes(*q, texts[i]);
+        const auto got_decode = decode_argmaxes(*q, texts[i]);
+        for (size_t t = 0; t < got.size(); ++t)
+          agree += got[t] == ref_top1[i][t], decode_agree += got_decode[t] == ref_decode_top1[i][t], ++total;
+      }
+      const auto [head, mtp] = measure(*q);
+      fmt::print("| {}-bit g64{}, {} | {:.1f} MiB | {:.2f}% | {:.2f}% | {:.1f}% | {:.1f}% |\n", bits,
+                 embed_bits ? fmt::format(", embeddings {}-bit", embed_bits) : std::string(),
+                 method == QuantMethod::kMlx ? "MLX's rule" : "least squares",
+                 report["bytes"].get<double>() / (1 << 20),
+                 100.0 * static_cast<double>(agree) / static_cast<double>(total),
+                 100.0 * static_cast<double>(decode_agree) / static_cast<double>(total), 100 * head,
+                 100 * mtp);
     }
-    const auto [head, mtp] = measure(*q);
-    fmt::print("| {}-bit g64{} (mtp.fc bf16) | {:.1f} MiB | {:.2f}% | {:.2f}% | {:.1f}% | {:.1f}% |\n", bits,
-               embed_bits ? fmt::format(", embeddings {}-bit", embed_bits) : std::string(),
-               report["bytes"].get<double>() / (1 << 20),
-               100.0 * static_cast<double>(agree) / static_cast<double>(total),
-               100.0 * static_cast<double>(decode_agree) / static_cast<double>(total), 100 * head, 100 * mtp);
-  }
   fs::remove_all(tmp);
   return 0;
 }

@@ -371,6 +371,7 @@ TEST(Tools, QuantizeKeepsTheHeadAndGreedyMtpStaysLossless) {
     const fs::path out = dir.path() / ("q" + std::to_string(bits));
     const auto q = run("quantize --out " + out.string() + " --bits " + std::to_string(bits) + " --json");
     ASSERT_EQ(q.code, 0) << q.err;
+    EXPECT_EQ(json::parse(q.out)["method"], "least-squares");
     const json config = read_json_file(out / "config.json");
     EXPECT_EQ(config["quantization"]["bits"], bits);
     EXPECT_EQ(config["quantization"]["group_size"], 64);
@@ -390,6 +391,7 @@ TEST(Tools, QuantizeKeepsTheHeadAndGreedyMtpStaysLossless) {
       EXPECT_EQ(run_json(gen + " --mtp --draft " + std::to_string(k))["tokens"], plain["tokens"]) << k;
   }
   expect_usage_error("quantize --out " + (dir.path() / "x").string() + " --bits 5", "--bits");
+  expect_usage_error("quantize --out " + (dir.path() / "x").string() + " --method minmax", "--method");
   expect_usage_error("quantize --out " + (dir.path() / "q4").string() + " --bits 4", "already exists");
   expect_usage_error("quantize --out " + (dir.path() / "no/such/parent").string() + " --bits 4",
                      "parent directory");

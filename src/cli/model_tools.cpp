@@ -16,6 +16,7 @@ struct QuantizeFlags {
   int64_t group_size = 64;
   int mtp_fc_bits = 16;
   int embed_bits = 0;
+  std::string method = "least-squares";
   bool force = false, json = false;
   int threads = 0;
 };
@@ -24,8 +25,11 @@ int run_quantize(const QuantizeFlags& f) {
   set_threads(f.threads);
   tools::ProgressBar bar(fmt::format("quantize {}-bit", f.bits));
   tools::QuantizeOptions o;
-  o.quant = {
-      .bits = f.bits, .group_size = f.group_size, .mtp_fc_bits = f.mtp_fc_bits, .embed_bits = f.embed_bits};
+  o.quant = {.bits = f.bits,
+             .group_size = f.group_size,
+             .method = f.method == "mlx" ? tools::QuantMethod::kMlx : tools::QuantMethod::kLeastSquares,
+             .mtp_fc_bits = f.mtp_fc_bits,
+             .embed_bits = f.embed_bits};
   o.force = f.force;
   o.progress = [&](double x) { bar.update(x); };
   const nlohmann::json report = tools::quantize_model(resolve_model_dir(f.model), f.out, o);
@@ -33,8 +37,8 @@ int run_quantize(const QuantizeFlags& f) {
   if (f.json)
     fmt::print("{}\n", report.dump(2));
   else
-    fmt::print("wrote {}: {}-bit affine, group {}, mtp.fc {}, {:.1f} MiB{}\n", f.out, f.bits, f.group_size,
-               f.mtp_fc_bits == 16 ? std::string("bf16") : fmt::format("{}-bit", f.mtp_fc_bits),
+    fmt::print("wrote {}: {}-bit affine ({}), group {}, mtp.fc {}, {:.1f} MiB{}\n", f.out, f.bits, f.method,
+               f.group_size, f.mtp_fc_bits == 16 ? std::string("bf16") : fmt::format("{}-bit", f.mtp_fc_bits),
                report["bytes"].get<double>() / (1 << 20),
                report["mtp_head"].get<bool>() ? ", MTP head kept" : ", no MTP head");
   return 0;
@@ -76,6 +80,10 @@ std::function<int()> add_quantize_command(CLI::App& app) {
   app.add_option("--embed-bits", f->embed_bits,
                  "embedding / lm_head: 16, 8, 6 or 4 (default: as --bits, like MLX)")
       ->check(CLI::IsMember({16, 8, 6, 4}));
+  app.add_option("--method", f->method,
+                 "scales and biases: least-squares (default: each group's smallest squared error found by a "
+                 "short search) or mlx (MLX's min/max rule, bit for bit what mlx_lm.convert -q writes)")
+      ->check(CLI::IsMember({"least-squares", "mlx"}));
   app.add_flag("--force", f->force, "replace --out if it exists");
   app.add_flag("--json", f->json, "print the report as JSON");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));

@@ -271,8 +271,10 @@ std::vector<Encoded> encode(const CheckpointTensor& t, const WriteOptions& o) {
     const int64_t n = std::min(block, rows - r0);
     matrix_rows(t, o.seed, r0, n, f32.data());
     // Scales and biases are stored in bf16, as MLX stores them for a bf16 model.
-    cpu::quantize_affine(f32.data(), n, cols, bits, o.quant.group_size,
-                         reinterpret_cast<uint32_t*>(codes.bytes.data()) + r0 * words, s.data(), b.data());
+    (o.quant.method == QuantMethod::kLeastSquares ? cpu::quantize_affine_least_squares
+                                                  : cpu::quantize_affine)(
+        f32.data(), n, cols, bits, o.quant.group_size,
+        reinterpret_cast<uint32_t*>(codes.bytes.data()) + r0 * words, s.data(), b.data());
     for (int64_t i = 0; i < n * groups; ++i) {
       scale_out[r0 * groups + i] = f32_to_bf16(s[static_cast<size_t>(i)]);
       bias_out[r0 * groups + i] = f32_to_bf16(b[static_cast<size_t>(i)]);

@@ -53,10 +53,17 @@ std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, boo
 std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, const ModelWeights& weights,
                                                   const MtpWeights* mtp);
 
+// How affine scales and biases are chosen (the stored layout is MLX's either way).
+enum class QuantMethod {
+  kMlx,           // MLX's min/max rule: bit for bit what mlx_lm.convert -q writes (cpu::quantize_affine)
+  kLeastSquares,  // a small search for each group's least squared error (cpu::quantize_affine_least_squares)
+};
+
 // How matrices are stored.
 struct QuantSpec {
   int bits = 16;  // 16: bf16; 2..8: affine group-wise (MLX) codes
   int64_t group_size = 64;
+  QuantMethod method = QuantMethod::kMlx;
   int mtp_fc_bits = 16;  // mtp.fc separately (16: bf16, the default: its input mixes two norms' scales)
   int embed_bits = 0;    // embed_tokens / lm_head separately (0: as `bits`)
 };

@@ -48,6 +48,7 @@ json quantize_model(const fs::path& model_dir, const fs::path& out, const Quanti
           {"out", out.string()},
           {"bits", o.quant.bits},
           {"group_size", o.quant.group_size},
+          {"method", o.quant.method == QuantMethod::kMlx ? "mlx" : "least-squares"},
           {"mtp_fc_bits", o.quant.mtp_fc_bits},
           {"mtp_head", model->mtp() != nullptr},
           {"bytes", bytes}};

@@ -1,8 +1,8 @@
 // `mtpx quantize`: affine group-wise quantization in the MLX layout (what mlx_lm.convert -q writes, so
-// mlx-lm loads the trunk), keeping the MTP head: its linear layers are quantized like the trunk's, and
-// mtp.fc stays bf16 by default (its input concatenates two differently normalized halves). Norms,
-// A_log, dt_bias and conv1d stay bf16; the embedding (and with it a tied lm_head) is quantized, as MLX
-// does. The output appears atomically.
+// mlx-lm loads the trunk; QuantMethod::kMlx writes its very tensors), keeping the MTP head: its linear layers
+// are quantized like the trunk's, and mtp.fc stays bf16 by default (its input concatenates two differently
+// normalized halves). Norms, A_log, dt_bias and conv1d stay bf16; the embedding (and with it a tied lm_head)
+// is quantized, as MLX does. The output appears atomically.
 #pragma once
 
 #include <filesystem>

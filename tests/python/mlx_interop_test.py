@@ -3,8 +3,8 @@
 
 1. mlx_lm.convert -q (4-bit) of the shipped model: mtpx loads it and its logits equal mlx-lm's (run in
    float32) within 1e-4; the conversion has no MTP head (mlx-lm drops mtp.*), which inspect reports.
-2. mtpx quantize --bits 4: the codes, scales and biases are identical to mlx_lm.convert's, and mlx-lm
-   loads mtpx's output and computes the same logits.
+2. mtpx quantize --bits 4 --method mlx: the codes, scales and biases are identical to mlx_lm.convert's;
+   mlx-lm loads that output, and the default (least-squares) one, and computes the same logits as mtpx.
 3. graft: the head of mtpx's 4-bit build onto mlx-lm's head-less build; the result drafts with MTP and
    greedy output stays identical to plain decoding.
 Exit code 77 (ctest: skipped) when mlx / mlx-lm are not installed.
@@ -56,11 +56,13 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        mlx4, ours4, grafted = tmp / "mlx4", tmp / "mtpx4", tmp / "grafted"
+        mlx4, ours4, lsq4, grafted = tmp / "mlx4", tmp / "mtpx4", tmp / "mtpx4lsq", tmp / "grafted"
         convert(hf_path=a.model, mlx_path=str(mlx4), quantize=True, q_bits=4, q_group_size=64)
-        mtpx(a.mtpx, "quantize", "--model", a.model, "--out", str(ours4), "--bits", "4")
+        mtpx(a.mtpx, "quantize", "--model", a.model, "--out", str(ours4), "--bits", "4", "--method", "mlx")
+        mtpx(a.mtpx, "quantize", "--model", a.model, "--out", str(lsq4), "--bits", "4")  # least squares
 
-        for name, path in (("mlx_lm.convert", mlx4), ("mtpx quantize", ours4)):
+        for name, path in (("mlx_lm.convert", mlx4), ("mtpx quantize --method mlx", ours4),
+                           ("mtpx quantize (least squares)", lsq4)):
             out = tmp / f"{path.name}.safetensors"
             mtpx(a.mtpx, "logits", "--model", str(path), "--prompt-ids", ",".join(map(str, ids)), "--out", str(out))
             ours = load_file(str(out))["logits"]
@@ -73,7 +75,8 @@ def main():
         same = [k for k in trunk
                 if k in b_t and a_t[k].dtype == b_t[k].dtype and a_t[k].shape == b_t[k].shape
                 and mx.array_equal(a_t[k], b_t[k]).item()]
-        check(len(same) == len(trunk), f"mtpx quantize writes mlx_lm.convert's tensors bit for bit ({len(same)}/{len(trunk)})")
+        check(len(same) == len(trunk),
+              f"mtpx quantize --method mlx writes mlx_lm.convert's tensors bit for bit ({len(same)}/{len(trunk)})")
         check(any(k.startswith("mtp.") for k in b_t), "mtpx quantize keeps the MTP head")
 
         report = json.loads(mtpx(a.mtpx, "inspect", str(mlx4), "--json"))

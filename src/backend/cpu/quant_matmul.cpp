@@ -1092,8 +1092,9 @@ void affine_matmul_gemm(const WeightMatrix& w, const float* x, int64_t m, float*
 
 // ---------------------------------------------------------------------------------------------
 
-void quantize_affine(const float* w, int64_t rows, int64_t cols, int bits, int64_t group_size,
-                     uint32_t* packed, float* scales, float* biases) {
+namespace {
+
+void check_quantize_args(int bits, int64_t group_size, int64_t rows, int64_t cols) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8)
     invalid_input("quantize_affine: bits {} not supported (2, 3, 4, 5, 6, 8)", bits);
   if (group_size != 32 && group_size != 64 && group_size != 128)
@@ -1101,41 +1102,118 @@ void quantize_affine(const float* w, int64_t rows, int64_t cols, int bits, int64
   if (rows < 0 || cols < 0 || cols % group_size != 0)
     invalid_input("quantize_affine: shape [{}, {}] is not a whole number of groups of {}", rows, cols,
                   group_size);
+}
+
+// MLX's scale and bias for the group v[0, n) (quantize_affine's comment).
+std::pair<float, float> mlx_scale_bias(const float* v, int64_t n, float max_code) {
+  float lo = v[0], hi = v[0];
+  for (int64_t j = 1; j < n; ++j) {
+    lo = std::min(lo, v[j]);
+    hi = std::max(hi, v[j]);
+  }
+  // The end of larger magnitude is the edge; the step points from it into the range.
+  const bool edge_is_min = std::abs(lo) > std::abs(hi);
+  float step = std::max((hi - lo) / max_code, 1e-7f);
+  if (!edge_is_min) step = -step;
+  const float edge = edge_is_min ? lo : hi;
+  // Round the edge to a whole number of steps and stretch the step to hit it exactly: the edge is then
+  // code 0 and zero sits (up to rounding) on code -q0.
+  const float q0 = std::nearbyint(edge / step);
+  return {q0 != 0.0f ? edge / q0 : step, q0 != 0.0f ? edge : 0.0f};
+}
+
+// Rounds x in [0, 2^23) to the nearest integer, ties to even: adding and subtracting 2^23 leaves exactly
+// that in float32 under the default rounding mode (the project builds without -ffast-math). It is what
+// std::nearbyint gives there, and unlike it needs no library call where baseline x86-64 lacks ROUNDSS.
+inline float round_nonnegative(float x) {
+  constexpr float kTwo23 = 8388608.0f;
+  return (x + kTwo23) - kTwo23;
+}
+
+inline float code_for(float v, float scale, float bias, float max_code) {
+  return round_nonnegative(std::clamp((v - bias) / scale, 0.0f, max_code));
+}
+
+// Writes the codes of group g of a row for (scale, bias).
+void pack_group(const float* v, int64_t n, int64_t g, int bits, float scale, float bias, float max_code,
+                uint32_t* row_words) {
+  for (int64_t j = 0; j < n; ++j) {
+    const auto code = static_cast<uint32_t>(code_for(v[j], scale, bias, max_code));
+    const int64_t bit = (g * n + j) * bits;
+    const int64_t word = bit / 32;
+    const int shift = static_cast<int>(bit % 32);
+    row_words[word] |= code << shift;
+    if (shift + bits > 32) row_words[word + 1] |= code >> (32 - shift);
+  }
+}
+
+template <typename ChooseScaleBias>
+void quantize_groups(const float* w, int64_t rows, int64_t cols, int bits, int64_t group_size,
+                     uint32_t* packed, float* scales, float* biases, ChooseScaleBias choose) {
+  check_quantize_args(bits, group_size, rows, cols);
   const float max_code = static_cast<float>((1 << bits) - 1);
   const int64_t groups = cols / group_size, words_per_row = cols * bits / 32;
   std::memset(packed, 0, sizeof(uint32_t) * static_cast<size_t>(rows * words_per_row));
-  for (int64_t r = 0; r < rows; ++r) {
-    uint32_t* row_words = packed + r * words_per_row;
+#pragma omp parallel for schedule(static)  // rows are independent (each writes its own words)
+  for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       const float* v = w + r * cols + g * group_size;
-      float lo = v[0], hi = v[0];
-      for (int64_t j = 1; j < group_size; ++j) {
-        lo = std::min(lo, v[j]);
-        hi = std::max(hi, v[j]);
-      }
-      // The end of larger magnitude is the edge; the step points from it into the range.
-      const bool edge_is_min = std::abs(lo) > std::abs(hi);
-      float step = std::max((hi - lo) / max_code, 1e-7f);
-      if (!edge_is_min) step = -step;
-      const float edge = edge_is_min ? lo : hi;
-      // Round the edge to a whole number of steps and stretch the step to hit it exactly: the edge is then
-      // code 0 and zero sits (up to rounding) on code -q0.
-      const float q0 = std::nearbyint(edge / step);
-      const float scale = q0 != 0.0f ? edge / q0 : step;
-      const float bias = q0 != 0.0f ? edge : 0.0f;
+      const auto [scale, bias] = choose(v, group_size, max_code);
       scales[r * groups + g] = scale;
       biases[r * groups + g] = bias;
-      for (int64_t j = 0; j < group_size; ++j) {
-        const float q = std::clamp(std::nearbyint((v[j] - bias) / scale), 0.0f, max_code);
-        const uint32_t code = static_cast<uint32_t>(q);
-        const int64_t bit = (g * group_size + j) * bits;
-        const int64_t word = bit / 32;
-        const int shift = static_cast<int>(bit % 32);
-        row_words[word] |= code << shift;
-        if (shift + bits > 32) row_words[word + 1] |= code >> (32 - shift);
-      }
+      pack_group(v, group_size, g, bits, scale, bias, max_code, packed + r * words_per_row);
     }
+}
+
+float round_to_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// Squared error of the group decoded with (scale, bias), codes chosen for them.
+double group_error(const float* v, int64_t n, float scale, float bias, float max_code) {
+  double e = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double d = static_cast<double>(scale) * code_for(v[j], scale, bias, max_code) + bias - v[j];
+    e += d * d;
   }
+  return e;
+}
+
+}  // namespace
+
+void quantize_affine(const float* w, int64_t rows, int64_t cols, int bits, int64_t group_size,
+                     uint32_t* packed, float* scales, float* biases) {
+  quantize_groups(w, rows, cols, bits, group_size, packed, scales, biases, mlx_scale_bias);
+}
+
+void quantize_affine_least_squares(const float* w, int64_t rows, int64_t cols, int bits, int64_t group_size,
+                                   uint32_t* packed, float* scales, float* biases) {
+  quantize_groups(
+      w, rows, cols, bits, group_size, packed, scales, biases,
+      [](const float* v, int64_t n, float max_code) -> std::pair<float, float> {
+        const auto [mlx_scale, mlx_bias] = mlx_scale_bias(v, n, max_code);
+        float best_scale = round_to_bf16(mlx_scale), best_bias = round_to_bf16(mlx_bias);
+        if (best_scale == 0.0f) return {mlx_scale, mlx_bias};
+        double best = group_error(v, n, best_scale, best_bias, max_code);
+        const float lo = *std::min_element(v, v + n), hi = *std::max_element(v, v + n);
+        if (!(hi > lo)) return {best_scale, best_bias};
+        for (int step = 0; step <= 20; ++step) {
+          // Codes of the range [lo, hi] spread over max_code - 1 + step / 10 steps.
+          const float inverse = (max_code - 1.0f + 0.1f * static_cast<float>(step)) / (hi - lo);
+          double sum_q = 0, sum_qq = 0, sum_v = 0, sum_qv = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            const double q = round_nonnegative(std::clamp(inverse * (v[j] - lo), 0.0f, max_code));
+            sum_q += q, sum_qq += q * q, sum_v += v[j], sum_qv += q * v[j];
+          }
+          // Least squares for v ~ scale * q + bias over the group.
+          const double det = static_cast<double>(n) * sum_qq - sum_q * sum_q;
+          if (det <= 0.0) continue;
+          const auto scale = round_to_bf16(static_cast<float>((n * sum_qv - sum_q * sum_v) / det));
+          const auto bias = round_to_bf16(static_cast<float>((sum_qq * sum_v - sum_q * sum_qv) / det));
+          if (scale == 0.0f || !std::isfinite(scale) || !std::isfinite(bias)) continue;
+          const double e = group_error(v, n, scale, bias, max_code);
+          if (e < best) best = e, best_scale = scale, best_bias = bias;
+        }
+        return {best_scale, best_bias};
+      });
 }
 
 uint32_t affine_code(const WeightMatrix& w, int64_t row, int64_t k) {

@@ -38,6 +38,16 @@ namespace mtpx::cpu {
 void quantize_affine(const float* w, int64_t rows, int64_t cols, int bits, int64_t group_size,
                      uint32_t* packed, float* scales, float* biases);
 
+// The same layout with each group's scale and bias chosen to make the group's squared error small, for
+// parameters stored in bf16 (as MLX stores them for a bf16 model): starting from MLX's choice above, 21
+// code assignments (those of ranges stretched from n - 1 to n + 1 steps, as llama.cpp's make_qkx2_quants
+// tries) each get the least-squares scale and bias for their codes, rounded to bf16; the codes are then
+// recomputed for the rounded scale and bias, and the group keeps whichever candidate has the smallest
+// squared error (MLX's own on a tie). Returned scales and biases are exactly representable in bf16. Same
+// requirements and errors as quantize_affine.
+void quantize_affine_least_squares(const float* w, int64_t rows, int64_t cols, int bits, int64_t group_size,
+                                   uint32_t* packed, float* scales, float* biases);
+
 // Code k (0 <= code < 2^bits) of row `row` of a kAffine matrix.
 uint32_t affine_code(const WeightMatrix& w, int64_t row, int64_t k);
 
