@@ -767,9 +767,12 @@ using RowsFn = void (*)(const WeightMatrix&, const Activations&, const float*, i
                         float*);
 
 // The kernels of one path and weight type, indexed [activation rows per call - 1]; max_rows: the widest
-// call whose accumulators (NR x 4 vectors) fit the register file (AVX2: 16 ymm, AVX-512: 32 zmm).
+// call whose accumulators (NR x 4 vectors) fit the register file (AVX2: 16 ymm, AVX-512: 32 zmm, where 6
+// rows take 24 accumulators and 4 weight vectors). Wider windows are split into calls (rows_of), and each
+// call converts the weights again: a one-row call costs about as much as a one-row pass (the conversions
+// and loads bind it), so on AVX-512 a 5-row window in 4 + 1 took 1.7x a 4-row one, in one call 1.2x.
 struct KernelSet {
-  RowsFn rows[4];
+  RowsFn rows[6];
   int64_t max_rows;
   ActivationOrder order;  // how the kernels read their activation copy
 };
@@ -778,20 +781,22 @@ template <WeightType T>
 const KernelSet& kernels_for(MatmulKernel p) {
   static const KernelSet avx512 = [] {
     if constexpr (T == WeightType::kBF16)
-      return KernelSet{{rows_avx512_bf16<1>, rows_avx512_bf16<2>, rows_avx512_bf16<3>, rows_avx512_bf16<4>},
-                       4,
+      return KernelSet{{rows_avx512_bf16<1>, rows_avx512_bf16<2>, rows_avx512_bf16<3>, rows_avx512_bf16<4>,
+                        rows_avx512_bf16<5>, rows_avx512_bf16<6>},
+                       6,
                        ActivationOrder::kEvenOdd32};
     else
-      return KernelSet{{rows_avx512<T, 1>, rows_avx512<T, 2>, rows_avx512<T, 3>, rows_avx512<T, 4>},
-                       4,
+      return KernelSet{{rows_avx512<T, 1>, rows_avx512<T, 2>, rows_avx512<T, 3>, rows_avx512<T, 4>,
+                        rows_avx512<T, 5>, rows_avx512<T, 6>},
+                       6,
                        ActivationOrder::kInOrder};
   }();
   static const KernelSet avx2 = {
-      {rows_avx2<T, 1>, rows_avx2<T, 2>, rows_avx2<T, 3>, rows_avx2<T, 3>},
+      {rows_avx2<T, 1>, rows_avx2<T, 2>, rows_avx2<T, 3>, nullptr, nullptr, nullptr},
       3,
       T == WeightType::kBF16 ? ActivationOrder::kAvx2Bf16 : ActivationOrder::kInOrder};
   static const KernelSet scalar = {
-      {rows_scalar<T, 1>, rows_scalar<T, 2>, rows_scalar<T, 3>, rows_scalar<T, 4>},
+      {rows_scalar<T, 1>, rows_scalar<T, 2>, rows_scalar<T, 3>, rows_scalar<T, 4>, nullptr, nullptr},
       4,
       ActivationOrder::kInOrder};
   switch (p) {
@@ -893,10 +898,12 @@ void rows_of(const KernelSet& set, const WeightMatrix& w, const Activations& xs,
     set.rows[m - 1](w, xs, x, 0, o0, o1, y);
     return;
   }
-  // More rows than one call holds: row blocks per output feature, so the weight row is re-read from L1.
-  for (int64_t o = o0; o < o1; ++o)
-    for (int64_t m0 = 0; m0 < m; m0 += set.max_rows)
-      set.rows[std::min(set.max_rows, m - m0) - 1](w, xs, x, m0, o, o + 1, y);
+  // More rows than one call holds: the chunk's output features (at most kChunkRows weight rows, re-read
+  // from L1 or L2) once per row block. (A call per output feature and row block, as before, cost more than
+  // the products: a 5-row verify pass of the shipped model took 2.4x a 4-row one on AVX-512, BENCHMARKS.md
+  // session 12.) Each (m, o) runs the same operations in any call (see above), so nothing changes bitwise.
+  for (int64_t m0 = 0; m0 < m; m0 += set.max_rows)
+    set.rows[std::min(set.max_rows, m - m0) - 1](w, xs, x, m0, o0, o1, y);
 }
 
 // Thread t's share [begin, end) of n work items split into p contiguous, balanced ranges.
