@@ -30,6 +30,9 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_dir);
   app.add_option("--samples", samples_file);
   app.add_option("--prompts", prompts)->check(CLI::PositiveNumber);
+  // A calibration text apart from the held-out samples the figures are measured on.
+  std::string calibration_file = std::string(MTPX_SOURCE_DIR) + "/scripts/train_small_model.py";
+  app.add_option("--calibration", calibration_file, "text file for the calibrated least-squares rows");
   CLI11_PARSE(app, argc, argv);
 
   std::ifstream in(samples_file);
@@ -96,13 +99,21 @@ int main(int argc, char** argv) {
   const fs::path tmp = fs::temp_directory_path() / fmt::format("mtpx_quant_quality_{}", ::getpid());
   fs::create_directories(tmp);
   using mtpx::tools::QuantMethod;
+  // MLX's rule; least squares unweighted, calibrated on the built-in sample, calibrated on a file.
+  const std::vector<std::pair<QuantMethod, std::string>> methods = {
+      {QuantMethod::kMlx, "none"},
+      {QuantMethod::kLeastSquares, "none"},
+      {QuantMethod::kLeastSquares, "builtin"},
+      {QuantMethod::kLeastSquares, calibration_file}};
   for (auto [bits, embed_bits] : std::vector<std::pair<int, int>>{{8, 0}, {6, 0}, {4, 0}, {4, 6}, {4, 8}})
-    for (QuantMethod method : {QuantMethod::kMlx, QuantMethod::kLeastSquares}) {
-      const fs::path out = tmp / fmt::format("q{}_{}_{}", bits, embed_bits, static_cast<int>(method));
+    for (size_t mi = 0; mi < methods.size(); ++mi) {
+      const auto& [method, calibration] = methods[mi];
+      const fs::path out = tmp / fmt::format("q{}_{}_{}", bits, embed_bits, mi);
       mtpx::tools::QuantizeOptions o;
       o.quant.bits = bits;
       o.quant.embed_bits = embed_bits;
       o.quant.method = method;
+      o.calibration = calibration;
       const auto report = mtpx::tools::quantize_model(model_dir, out, o);
       const auto q = mtpx::Model::load(out);
       int64_t agree = 0, decode_agree = 0, total = 0;
@@ -113,13 +124,16 @@ int main(int argc, char** argv) {
           agree += got[t] == ref_top1[i][t], decode_agree += got_decode[t] == ref_decode_top1[i][t], ++total;
       }
       const auto [head, mtp] = measure(*q);
-      fmt::print("| {}-bit g64{}, {} | {:.1f} MiB | {:.2f}% | {:.2f}% | {:.1f}% | {:.1f}% |\n", bits,
-                 embed_bits ? fmt::format(", embeddings {}-bit", embed_bits) : std::string(),
-                 method == QuantMethod::kMlx ? "MLX's rule" : "least squares",
-                 report["bytes"].get<double>() / (1 << 20),
-                 100.0 * static_cast<double>(agree) / static_cast<double>(total),
-                 100.0 * static_cast<double>(decode_agree) / static_cast<double>(total), 100 * head,
-                 100 * mtp);
+      fmt::print(
+          "| {}-bit g64{}, {} | {:.1f} MiB | {:.2f}% | {:.2f}% | {:.1f}% | {:.1f}% |\n", bits,
+          embed_bits ? fmt::format(", embeddings {}-bit", embed_bits) : std::string(),
+          method == QuantMethod::kMlx ? std::string("MLX's rule")
+          : calibration == "none"
+              ? std::string("least squares")
+              : fmt::format("least squares, calibration {}", fs::path(calibration).filename().string()),
+          report["bytes"].get<double>() / (1 << 20),
+          100.0 * static_cast<double>(agree) / static_cast<double>(total),
+          100.0 * static_cast<double>(decode_agree) / static_cast<double>(total), 100 * head, 100 * mtp);
     }
   fs::remove_all(tmp);
   return 0;

@@ -415,79 +415,90 @@ TEST(QuantizeAffine, DequantizedWithinHalfAStep) {
 }
 
 // The least-squares quantizer against MLX's rule, both stored as a checkpoint stores them (scales and
-// biases in bf16): its squared reconstruction error is never larger in any group (it starts from MLX's
-// choice and keeps a candidate only when it is better), is smaller overall, its parameters are exact
-// bf16 values, and its codes are the rounding of each value for those parameters.
+// biases in bf16), unweighted and with column weights (calibration): its (weighted) squared
+// reconstruction error is never larger in any group (it starts from MLX's choice and keeps a candidate
+// only when it is better), is smaller overall, its parameters are exact bf16 values, and its codes are the
+// rounding of each value for those parameters.
 TEST(QuantizeAffineLeastSquares, NeverWorseThanMlxPerGroupAndBetterOverall) {
-  for (int bits : {3, 4, 6, 8})
-    for (int64_t group_size : {32, 64, 128}) {
-      const int64_t rows = 8, cols = 512, groups = cols / group_size;
-      auto w = normal_values(static_cast<size_t>(rows * cols), 77 + static_cast<uint64_t>(bits), 0.05f);
-      for (int64_t k = 0; k < cols; k += 37) w[static_cast<size_t>(k)] *= 8.0f;     // outliers in row 0
-      for (int64_t k = 0; k < cols; ++k) w[static_cast<size_t>(cols + k)] = 0.25f;  // a constant row
-      auto quantized = [&](bool least_squares) {
-        AffineMatrix a;
-        a.packed.resize(static_cast<size_t>(rows * cols * bits / 32));
-        a.scales_f32.resize(static_cast<size_t>(rows * groups));
-        a.biases_f32.resize(a.scales_f32.size());
-        (least_squares ? quantize_affine_least_squares : quantize_affine)(
-            w.data(), rows, cols, bits, group_size, a.packed.data(), a.scales_f32.data(),
-            a.biases_f32.data());
-        for (size_t i = 0; i < a.scales_f32.size(); ++i) {  // stored in bf16
-          a.scales_f32[i] = bf16_to_f32(f32_to_bf16(a.scales_f32[i]));
-          a.biases_f32[i] = bf16_to_f32(f32_to_bf16(a.biases_f32[i]));
+  for (bool weighted : {false, true})
+    for (int bits : {3, 4, 6, 8})
+      for (int64_t group_size : {32, 64, 128}) {
+        SCOPED_TRACE(testing::Message()
+                     << "weighted " << weighted << " bits " << bits << " group " << group_size);
+        const int64_t rows = 8, cols = 512, groups = cols / group_size;
+        auto w = normal_values(static_cast<size_t>(rows * cols), 77 + static_cast<uint64_t>(bits), 0.05f);
+        for (int64_t k = 0; k < cols; k += 37) w[static_cast<size_t>(k)] *= 8.0f;     // outliers in row 0
+        for (int64_t k = 0; k < cols; ++k) w[static_cast<size_t>(cols + k)] = 0.25f;  // a constant row
+        std::vector<float> column_weights(static_cast<size_t>(cols), 1.0f);
+        if (weighted) {  // spread over two orders of magnitude, as activation mean squares are
+          const auto z = normal_values(static_cast<size_t>(cols), 5, 1.0f);
+          for (int64_t k = 0; k < cols; ++k)
+            column_weights[static_cast<size_t>(k)] = std::exp(1.5f * z[static_cast<size_t>(k)]);
         }
-        return a;
-      };
-      const AffineMatrix mlx = quantized(false), lsq = quantized(true);
-      // The returned parameters were already bf16: rounding them again changed nothing.
-      AffineMatrix raw;
-      raw.packed.resize(lsq.packed.size());
-      raw.scales_f32.resize(lsq.scales_f32.size());
-      raw.biases_f32.resize(lsq.biases_f32.size());
-      quantize_affine_least_squares(w.data(), rows, cols, bits, group_size, raw.packed.data(),
-                                    raw.scales_f32.data(), raw.biases_f32.data());
-      ASSERT_EQ(raw.scales_f32, lsq.scales_f32);
-      ASSERT_EQ(raw.biases_f32, lsq.biases_f32);
-      auto group_errors = [&](const AffineMatrix& a) {
-        const WeightMatrix view{
-            WeightType::kAffine, a.packed.data(),    rows, cols, bits, group_size, WeightType::kF32,
-            a.scales_f32.data(), a.biases_f32.data()};
-        std::vector<double> e(static_cast<size_t>(rows * groups));
-        std::vector<float> row(static_cast<size_t>(cols));
-        for (int64_t r = 0; r < rows; ++r) {
-          weight_row_to_f32(view, r, row.data());
-          for (int64_t k = 0; k < cols; ++k) {
-            const double d =
-                static_cast<double>(row[static_cast<size_t>(k)]) - w[static_cast<size_t>(r * cols + k)];
-            e[static_cast<size_t>(r * groups + k / group_size)] += d * d;
+        auto quantize = [&](bool least_squares, bool round_params) {
+          AffineMatrix a;
+          a.packed.resize(static_cast<size_t>(rows * cols * bits / 32));
+          a.scales_f32.resize(static_cast<size_t>(rows * groups));
+          a.biases_f32.resize(a.scales_f32.size());
+          if (least_squares)
+            quantize_affine_least_squares(w.data(), rows, cols, bits, group_size, a.packed.data(),
+                                          a.scales_f32.data(), a.biases_f32.data(),
+                                          weighted ? column_weights.data() : nullptr);
+          else
+            quantize_affine(w.data(), rows, cols, bits, group_size, a.packed.data(), a.scales_f32.data(),
+                            a.biases_f32.data());
+          for (size_t i = 0; round_params && i < a.scales_f32.size(); ++i) {  // stored in bf16
+            a.scales_f32[i] = bf16_to_f32(f32_to_bf16(a.scales_f32[i]));
+            a.biases_f32[i] = bf16_to_f32(f32_to_bf16(a.biases_f32[i]));
           }
+          return a;
+        };
+        const AffineMatrix mlx = quantize(false, true), lsq = quantize(true, true),
+                           raw = quantize(true, false);
+        // The returned parameters were already bf16: rounding them again changed nothing.
+        ASSERT_EQ(raw.scales_f32, lsq.scales_f32);
+        ASSERT_EQ(raw.biases_f32, lsq.biases_f32);
+        auto group_errors = [&](const AffineMatrix& a) {
+          const WeightMatrix view{
+              WeightType::kAffine, a.packed.data(),    rows, cols, bits, group_size, WeightType::kF32,
+              a.scales_f32.data(), a.biases_f32.data()};
+          std::vector<double> e(static_cast<size_t>(rows * groups));
+          std::vector<float> row(static_cast<size_t>(cols));
+          for (int64_t r = 0; r < rows; ++r) {
+            weight_row_to_f32(view, r, row.data());
+            for (int64_t k = 0; k < cols; ++k) {
+              const double d =
+                  static_cast<double>(row[static_cast<size_t>(k)]) - w[static_cast<size_t>(r * cols + k)];
+              e[static_cast<size_t>(r * groups + k / group_size)] +=
+                  column_weights[static_cast<size_t>(k)] * d * d;
+            }
+          }
+          return e;
+        };
+        const auto e_mlx = group_errors(mlx), e_lsq = group_errors(lsq);
+        double total_mlx = 0, total_lsq = 0;
+        for (size_t g = 0; g < e_mlx.size(); ++g) {
+          // MLX's codes were rounded for its unrounded parameters; the search's baseline recomputes them
+          // for the bf16 ones, which can only help. (A tolerance for float summation order.)
+          ASSERT_LE(e_lsq[g], e_mlx[g] * (1 + 1e-9) + 1e-18) << "group " << g;
+          total_mlx += e_mlx[g], total_lsq += e_lsq[g];
         }
-        return e;
-      };
-      const auto e_mlx = group_errors(mlx), e_lsq = group_errors(lsq);
-      double total_mlx = 0, total_lsq = 0;
-      for (size_t g = 0; g < e_mlx.size(); ++g) {
-        // MLX's codes were rounded for its unrounded parameters; the search's baseline recomputes them for
-        // the bf16 ones, which can only help. (A tolerance for float summation order.)
-        ASSERT_LE(e_lsq[g], e_mlx[g] * (1 + 1e-9) + 1e-18) << "bits " << bits << " group " << g;
-        total_mlx += e_mlx[g], total_lsq += e_lsq[g];
+        EXPECT_LT(total_lsq, 0.97 * total_mlx);
+        // Codes: each value's nearest grid point for its group's parameters.
+        const WeightMatrix view{
+            WeightType::kAffine,   lsq.packed.data(),    rows, cols, bits, group_size, WeightType::kF32,
+            lsq.scales_f32.data(), lsq.biases_f32.data()};
+        const float max_code = static_cast<float>((1 << bits) - 1);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < cols; ++k) {
+            const size_t g = static_cast<size_t>(r * groups + k / group_size);
+            const float want =
+                std::clamp(std::nearbyint((w[static_cast<size_t>(r * cols + k)] - lsq.biases_f32[g]) /
+                                          lsq.scales_f32[g]),
+                           0.0f, max_code);
+            ASSERT_EQ(affine_code(view, r, k), static_cast<uint32_t>(want)) << "row " << r << " k " << k;
+          }
       }
-      EXPECT_LT(total_lsq, 0.97 * total_mlx) << "bits " << bits << " group size " << group_size;
-      // Codes: each value's nearest grid point for its group's parameters.
-      const WeightMatrix view{
-          WeightType::kAffine,   lsq.packed.data(),    rows, cols, bits, group_size, WeightType::kF32,
-          lsq.scales_f32.data(), lsq.biases_f32.data()};
-      const float max_code = static_cast<float>((1 << bits) - 1);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < cols; ++k) {
-          const size_t g = static_cast<size_t>(r * groups + k / group_size);
-          const float want = std::clamp(
-              std::nearbyint((w[static_cast<size_t>(r * cols + k)] - lsq.biases_f32[g]) / lsq.scales_f32[g]),
-              0.0f, max_code);
-          ASSERT_EQ(affine_code(view, r, k), static_cast<uint32_t>(want)) << "row " << r << " k " << k;
-        }
-    }
 }
 
 }  // namespace

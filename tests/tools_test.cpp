@@ -372,6 +372,8 @@ TEST(Tools, QuantizeKeepsTheHeadAndGreedyMtpStaysLossless) {
     const auto q = run("quantize --out " + out.string() + " --bits " + std::to_string(bits) + " --json");
     ASSERT_EQ(q.code, 0) << q.err;
     EXPECT_EQ(json::parse(q.out)["method"], "least-squares");
+    EXPECT_EQ(json::parse(q.out)["calibration"], "builtin");
+    EXPECT_GT(json::parse(q.out)["calibration_tokens"].get<int64_t>(), 50);
     const json config = read_json_file(out / "config.json");
     EXPECT_EQ(config["quantization"]["bits"], bits);
     EXPECT_EQ(config["quantization"]["group_size"], 64);
@@ -392,6 +394,11 @@ TEST(Tools, QuantizeKeepsTheHeadAndGreedyMtpStaysLossless) {
   }
   expect_usage_error("quantize --out " + (dir.path() / "x").string() + " --bits 5", "--bits");
   expect_usage_error("quantize --out " + (dir.path() / "x").string() + " --method minmax", "--method");
+  expect_usage_error("quantize --out " + (dir.path() / "x").string() + " --calibration /no/such/file.txt",
+                     "--calibration");
+  expect_usage_error("quantize --out " + (dir.path() / "x").string() + " --method mlx --calibration " +
+                         (fs::path(MTPX_SOURCE_DIR) / "README.md").string(),
+                     "--calibration");
   expect_usage_error("quantize --out " + (dir.path() / "q4").string() + " --bits 4", "already exists");
   expect_usage_error("quantize --out " + (dir.path() / "no/such/parent").string() + " --bits 4",
                      "parent directory");

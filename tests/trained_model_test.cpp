@@ -10,6 +10,7 @@
 
 #include "decode/generate.h"
 #include "io/safetensors.h"
+#include "model/input_statistics.h"
 #include "model/mtp_head.h"
 #include "model/qwen35.h"
 #include "test_paths.h"
@@ -101,6 +102,43 @@ TEST(TrainedModel, MtpLastRowPassEqualsTheLastRowOfAFullPass) {
                              a.logits.size() * sizeof(float)))
         << count << " rows";
   }
+}
+
+// Calibration statistics: every product of the trunk and the head records its inputs (one entry per
+// matrix), and a matrix's entry is the mean square of each input column (checked for the lm_head against
+// the pass's own hidden states; the head's fc has one per column of its [embedding ; hidden] input).
+TEST(TrainedModel, InputStatisticsAreTheMeanSquaresOfEachProductsInputs) {
+  auto model = Model::load(kDefaultModel);
+  const auto prompt = samples()[0]["prompt_ids"].get<std::vector<int32_t>>();
+  const int64_t n = static_cast<int64_t>(prompt.size()), H = model->config().hidden_size;
+  InputStatistics stats;
+  InferenceState state = model->new_state(n);
+  state.set_input_statistics(&stats);
+  ForwardResult r;
+  model->forward(state, prompt, LogitRows::kNone, r);
+  std::vector<double> want(static_cast<size_t>(H));
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t k = 0; k < H; ++k)
+      want[static_cast<size_t>(k)] += std::pow(r.hidden[static_cast<size_t>(t * H + k)], 2);
+  const std::vector<float> got = stats.mean_squares(model->weights().lm_head);
+  ASSERT_EQ(got.size(), static_cast<size_t>(H));
+  for (int64_t k = 0; k < H; ++k)
+    EXPECT_NEAR(got[static_cast<size_t>(k)], want[static_cast<size_t>(k)] / static_cast<double>(n),
+                1e-5 * (1 + want[static_cast<size_t>(k)] / static_cast<double>(n)));
+  // Per layer: DeltaNet layers 4 input projections + out_proj, attention layers q/k/v/o, MLPs 3; lm_head.
+  size_t products = 1;
+  for (const LayerWeights& l : model->weights().layers) products += (l.delta_net ? 5 : 4) + 3;
+  EXPECT_EQ(stats.matrices(), products);
+  // The head: fc, its attention layer's 4 and its MLP's 3 more matrices.
+  MtpState head(model->config(), n);
+  head.set_input_statistics(&stats);
+  MtpResult m;
+  mtp_forward(*model, head, std::span<const float>(r.hidden.data(), static_cast<size_t>((n - 1) * H)),
+              std::span<const int32_t>(prompt.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kNone,
+              m);
+  EXPECT_EQ(stats.matrices(), products + 8);
+  EXPECT_EQ(stats.mean_squares(model->mtp()->fc).size(), static_cast<size_t>(2 * H));
+  EXPECT_TRUE(stats.mean_squares(cpu::WeightMatrix{}).empty());  // never multiplied
 }
 
 TEST(TrainedModel, GreedyContinuationsMatchTransformers) {

@@ -17,6 +17,7 @@ struct QuantizeFlags {
   int mtp_fc_bits = 16;
   int embed_bits = 0;
   std::string method = "least-squares";
+  std::string calibration = "builtin";
   bool force = false, json = false;
   int threads = 0;
 };
@@ -30,6 +31,7 @@ int run_quantize(const QuantizeFlags& f) {
              .method = f.method == "mlx" ? tools::QuantMethod::kMlx : tools::QuantMethod::kLeastSquares,
              .mtp_fc_bits = f.mtp_fc_bits,
              .embed_bits = f.embed_bits};
+  o.calibration = f.calibration;
   o.force = f.force;
   o.progress = [&](double x) { bar.update(x); };
   const nlohmann::json report = tools::quantize_model(resolve_model_dir(f.model), f.out, o);
@@ -84,6 +86,10 @@ std::function<int()> add_quantize_command(CLI::App& app) {
                  "scales and biases: least-squares (default: each group's smallest squared error found by a "
                  "short search) or mlx (MLX's min/max rule, bit for bit what mlx_lm.convert -q writes)")
       ->check(CLI::IsMember({"least-squares", "mlx"}));
+  app.add_option(
+      "--calibration", f->calibration,
+      "least-squares: weigh each input column's error by its mean square over a text run through "
+      "the model: builtin (default, a short code sample), none, or a text FILE (its first 2048 tokens)");
   app.add_flag("--force", f->force, "replace --out if it exists");
   app.add_flag("--json", f->json, "print the report as JSON");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));

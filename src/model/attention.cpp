@@ -6,6 +6,7 @@
 
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
+#include "model/input_statistics.h"
 
 namespace mtpx {
 
@@ -113,7 +114,8 @@ void attend_blocks(const float* qg, const KvCache& cache, int64_t p0, int64_t T,
 }  // namespace
 
 void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, KvCache& cache, int64_t p0,
-                             const float* h, int64_t T, float* out, int64_t out_rows) {
+                             const float* h, int64_t T, float* out, int64_t out_rows,
+                             InputStatistics* stats) {
   const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_kv_heads;
   const int64_t skip = T - out_rows;  // rows that only fill the cache
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -176,6 +178,12 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
       cpu::mul_sigmoid(gate, D, od);
     }
   cpu::matmul(w.o_proj, o.data(), out_rows, out);
+  if (stats != nullptr) {
+    stats->add(w.q_proj, h + skip * c.hidden_size, out_rows);
+    stats->add(w.k_proj, h, T);
+    stats->add(w.v_proj, h, T);
+    stats->add(w.o_proj, o.data(), out_rows);
+  }
 }
 
 }  // namespace mtpx

@@ -11,13 +11,16 @@
 
 namespace mtpx {
 
+class InputStatistics;
+
 // h: [T, H] (already input-normed) at positions p0 .. p0+T-1; appends T rows to `cache` at those
 // positions; out: [out_rows, H], the outputs of the last out_rows rows (1 <= out_rows <= T). The rows
 // before those only write their keys and values: their queries, attention and output projection are
 // skipped (a layer whose earlier rows nobody reads, as the MTP head's when only the last row drafts). Row t
 // attends to cache positions 0 .. p0+t, in order, so its output does not depend on T (batch-invariant).
 void gated_attention_forward(const AttentionWeights& w, const ModelConfig& config, KvCache& cache, int64_t p0,
-                             const float* h, int64_t t_count, float* out, int64_t out_rows);
+                             const float* h, int64_t t_count, float* out, int64_t out_rows,
+                             InputStatistics* stats = nullptr);  // stats: see input_statistics.h
 
 // In-place rotation of the first rotary_dim dims of one head vector x[D] at position `pos`:
 // pairs (i, i + rotary_dim/2), angle pos * theta^(-2i/rotary_dim) (§3.1).

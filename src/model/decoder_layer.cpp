@@ -12,7 +12,8 @@
 namespace mtpx {
 
 void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCache* kv, DeltaNetState* delta,
-                           int64_t p0, float* x, int64_t T, bool record_window, int64_t out_rows) {
+                           int64_t p0, float* x, int64_t T, bool record_window, int64_t out_rows,
+                           InputStatistics* stats) {
   const int64_t H = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
   if (out_rows <= 0 || out_rows > T) out_rows = T;
@@ -22,16 +23,16 @@ void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCa
   for (int64_t t = 0; t < T; ++t)
     cpu::rms_norm(x + t * H, layer.input_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
   if (layer.type == LayerType::kFullAttention) {
-    gated_attention_forward(*layer.attention, c, *kv, p0, normed.data(), T, branch.data(), out_rows);
+    gated_attention_forward(*layer.attention, c, *kv, p0, normed.data(), T, branch.data(), out_rows, stats);
   } else {
     gated_deltanet_forward(*layer.delta_net, c, *delta, normed.data(), T, branch.data(), DeltaRuleForm::kAuto,
-                           record_window);
+                           record_window, stats);
   }
   float* out = x + (T - out_rows) * H;  // the rows computed from here on
   cpu::add_inplace(out, branch.data(), out_rows * H);
   for (int64_t t = 0; t < out_rows; ++t)
     cpu::rms_norm(out + t * H, layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
-  mlp_forward(layer.mlp, normed.data(), out_rows, branch.data());
+  mlp_forward(layer.mlp, normed.data(), out_rows, branch.data(), stats);
   cpu::add_inplace(out, branch.data(), out_rows * H);
 }
 

@@ -10,6 +10,8 @@
 
 namespace mtpx {
 
+class InputStatistics;
+
 enum class LogitRows { kNone, kLast, kAll };
 
 // One decoder layer (spec §2), in place on the residual stream x [T, H] at positions p0..p0+T-1:
@@ -21,7 +23,8 @@ enum class LogitRows { kNone, kLast, kAll };
 // row, so its other rows (the accepted tokens it catches up on, a prompt) need nothing else.
 void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& config, KvCache* kv,
                            DeltaNetState* delta, int64_t p0, float* x, int64_t t_count,
-                           bool record_window = false, int64_t out_rows = 0);
+                           bool record_window = false, int64_t out_rows = 0,
+                           InputStatistics* stats = nullptr);  // stats: see input_statistics.h
 
 // hidden = RMSNorm1p(x, norm) for all T rows; logits = hidden @ lm_head^T for the rows asked for.
 // next_prefix_rows > 0: the next product reads lm_head rows [0, next_prefix_rows) (the MTP head's draft

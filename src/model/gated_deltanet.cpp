@@ -6,6 +6,7 @@
 
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
+#include "model/input_statistics.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -88,7 +89,8 @@ void delta_rule_chunked(const float* q, const float* k, const float* v, const fl
 }
 
 void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, DeltaNetState& state,
-                            const float* h, int64_t T, float* out, DeltaRuleForm form, bool record_window) {
+                            const float* h, int64_t T, float* out, DeltaRuleForm form, bool record_window,
+                            InputStatistics* stats) {
   const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
   const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const int64_t conv_dim = c.conv_dim(), Kc = c.linear_conv_kernel_dim;
@@ -221,6 +223,10 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
     }
   }
   cpu::matmul(w.out_proj, o.data(), T, out);
+  if (stats != nullptr) {
+    for (const cpu::MatmulTarget& p : in_proj) stats->add(*p.w, h, T);
+    stats->add(w.out_proj, o.data(), T);
+  }
 }
 
 void deltanet_rollback(const ModelConfig& c, DeltaNetState& state, int64_t keep) {

@@ -11,6 +11,8 @@
 
 namespace mtpx {
 
+class InputStatistics;
+
 // Windows of at least this many tokens use the chunked form (§4.3); shorter ones (decode and
 // speculative verify) use the token-recurrent form (§4.2), whose arithmetic per token does not depend
 // on the window length, so a verify row computes exactly what a decode step computes.
@@ -23,7 +25,8 @@ enum class DeltaRuleForm { kAuto, kRecurrent, kChunked };
 // keeps what deltanet_rollback needs (windows shorter than kDeltaNetChunkedMinTokens only).
 void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& config, DeltaNetState& state,
                             const float* h, int64_t t_count, float* out,
-                            DeltaRuleForm form = DeltaRuleForm::kAuto, bool record_window = false);
+                            DeltaRuleForm form = DeltaRuleForm::kAuto, bool record_window = false,
+                            InputStatistics* stats = nullptr);  // stats: see input_statistics.h
 
 // Returns the state to what it was after the first `keep` tokens of the recorded window
 // (0 <= keep <= window.tokens): the recurrent state that token's snapshot holds, and the conv state

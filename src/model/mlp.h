@@ -7,7 +7,10 @@
 
 namespace mtpx {
 
+class InputStatistics;
+
 // h: [T, H] -> out: [T, H]
-void mlp_forward(const MlpWeights& w, const float* h, int64_t t_count, float* out);
+void mlp_forward(const MlpWeights& w, const float* h, int64_t t_count, float* out,
+                 InputStatistics* stats = nullptr);  // stats: see input_statistics.h
 
 }  // namespace mtpx

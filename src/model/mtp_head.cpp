@@ -5,6 +5,7 @@
 
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/ops.h"
+#include "model/input_statistics.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -33,6 +34,7 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   if (p0 + T > state.capacity())
     invalid_input("MTP context overflow: {} positions, capacity {}", p0 + T, state.capacity());
   if (const DeviceExecutor* e = model.executor()) {
+    if (state.input_statistics() != nullptr) invalid_input("input statistics are collected on the CPU only");
     if (state.device() == nullptr) invalid_input("mtp_forward: a host MTP state with a device model");
     e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, argmax_limit, result.hidden,
                    result.logits, result.argmax);
@@ -54,11 +56,13 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   }
   std::vector<float> x(static_cast<size_t>(T * H));  // [T, H]
   cpu::matmul(head->fc, joined.data(), T, x.data());
+  InputStatistics* stats = state.input_statistics();
+  if (stats != nullptr) stats->add(head->fc, joined.data(), T);
   // One full-attention decoder layer (the trunk's code) with the head's own KV cache, then mtp.norm and
   // the shared lm_head. With kLast the rows before the last only write the cache: nothing reads their
   // outputs, and the last row's result is the same either way (batch invariance).
   const int64_t out_rows = rows == LogitRows::kLast ? 1 : T;
-  decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T, false, out_rows);
+  decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T, false, out_rows, stats);
   // A draft vocabulary reads the first logit_ids rows of the lm_head (a view: rows are contiguous in
   // every weight layout, codes and scales alike).
   cpu::WeightMatrix lm_head = w.lm_head;

@@ -21,8 +21,12 @@ class MtpState {
   KvCache& kv() { return kv_; }
   int64_t capacity() const { return capacity_; }
   DeviceSequence* device() const { return device_.get(); }
+  // As InferenceState::set_input_statistics, for the head's products.
+  void set_input_statistics(InputStatistics* stats) { input_stats_ = stats; }
+  InputStatistics* input_statistics() const { return input_stats_; }
 
  private:
+  InputStatistics* input_stats_ = nullptr;
   int64_t capacity_;
   KvCache kv_;
   std::unique_ptr<DeviceSequence> device_;

@@ -6,6 +6,7 @@
 #include "backend/cpu/ops.h"
 #include "io/safetensors.h"
 #include "model/gated_deltanet.h"
+#include "model/input_statistics.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -79,6 +80,7 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   if ((executor_ != nullptr) != (state.device() != nullptr))
     invalid_input("forward: the state was made for another device than the model's");
   if (executor_) {
+    if (state.input_statistics() != nullptr) invalid_input("input statistics are collected on the CPU only");
     executor_->forward(*state.device(), p0, tokens, rows, record_window, argmax_limit, result.hidden,
                        result.logits, result.argmax);
     for (int32_t id : result.argmax)
@@ -92,11 +94,13 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   for (int64_t t = 0; t < T; ++t)
     cpu::weight_row_to_f32(weights_.embed_tokens, tokens[static_cast<size_t>(t)],
                            &x[static_cast<size_t>(t * H)]);
+  InputStatistics* stats = state.input_statistics();
   for (int64_t li = 0; li < c.num_layers; ++li)
     decoder_layer_forward(weights_.layers[static_cast<size_t>(li)], c, &state.kv(li), &state.delta(li), p0,
-                          x.data(), T, record_window);
+                          x.data(), T, record_window, 0, stats);
   norm_and_logits(c, weights_.lm_head, weights_.final_norm, x.data(), T, rows, result.hidden, result.logits,
                   head_logit_ids);
+  if (stats != nullptr) stats->add(weights_.lm_head, result.hidden.data(), T);  // every row's hidden
   const std::vector<float>& out = rows == LogitRows::kNone ? result.hidden : result.logits;
   if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
     fail_non_finite(fmt::format("{} at positions {}..{}",

@@ -11,6 +11,8 @@
 
 namespace mtpx {
 
+class InputStatistics;
+
 // Attention cache of one full-attention layer: post-norm, post-RoPE keys and values, grown by the
 // attention forward to the positions used so far (at most the state's capacity).
 struct KvCache {
@@ -66,8 +68,13 @@ class InferenceState {
   void set_window(int64_t start, int64_t tokens) { window_start_ = start, window_tokens_ = tokens; }
   void set_position(int64_t position) { position_ = position; }
   DeviceSequence* device() const { return device_.get(); }
+  // Calibration: forward passes on this (host) state add their products' inputs to `stats` (not owned;
+  // nullptr: none).
+  void set_input_statistics(InputStatistics* stats) { input_stats_ = stats; }
+  InputStatistics* input_statistics() const { return input_stats_; }
 
  private:
+  InputStatistics* input_stats_ = nullptr;
   int64_t capacity_;
   int64_t position_ = 0;
   int64_t window_start_ = 0;

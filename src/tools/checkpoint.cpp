@@ -253,6 +253,18 @@ std::vector<Encoded> encode(const CheckpointTensor& t, const WriteOptions& o) {
     return out;
   }
   const int64_t words = cols * bits / 32, groups = cols / o.quant.group_size;
+  // Column weights from calibration: E[x_k^2] plus 1% of their mean, so that no column's error is ignored
+  // (an input the calibration text never excited still gets a sensible fit).
+  std::vector<float> importance;
+  if (o.importance != nullptr && t.matrix != nullptr) importance = o.importance->mean_squares(*t.matrix);
+  if (static_cast<int64_t>(importance.size()) == cols) {
+    double mean = 0;
+    for (float v : importance) mean += v;
+    mean /= static_cast<double>(cols);
+    for (float& v : importance) v += static_cast<float>(0.01 * mean);
+  } else {
+    importance.clear();
+  }
   const std::string base = name.substr(0, name.size() - std::string(".weight").size());
   Encoded codes{
       name, DType::kU32, {rows, words}, std::vector<std::byte>(static_cast<size_t>(rows * words * 4))};
@@ -271,10 +283,12 @@ std::vector<Encoded> encode(const CheckpointTensor& t, const WriteOptions& o) {
     const int64_t n = std::min(block, rows - r0);
     matrix_rows(t, o.seed, r0, n, f32.data());
     // Scales and biases are stored in bf16, as MLX stores them for a bf16 model.
-    (o.quant.method == QuantMethod::kLeastSquares ? cpu::quantize_affine_least_squares
-                                                  : cpu::quantize_affine)(
-        f32.data(), n, cols, bits, o.quant.group_size,
-        reinterpret_cast<uint32_t*>(codes.bytes.data()) + r0 * words, s.data(), b.data());
+    uint32_t* block_codes = reinterpret_cast<uint32_t*>(codes.bytes.data()) + r0 * words;
+    if (o.quant.method == QuantMethod::kLeastSquares)
+      cpu::quantize_affine_least_squares(f32.data(), n, cols, bits, o.quant.group_size, block_codes, s.data(),
+                                         b.data(), importance.empty() ? nullptr : importance.data());
+    else
+      cpu::quantize_affine(f32.data(), n, cols, bits, o.quant.group_size, block_codes, s.data(), b.data());
     for (int64_t i = 0; i < n * groups; ++i) {
       scale_out[r0 * groups + i] = f32_to_bf16(s[static_cast<size_t>(i)]);
       bias_out[r0 * groups + i] = f32_to_bf16(b[static_cast<size_t>(i)]);

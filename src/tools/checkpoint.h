@@ -20,6 +20,7 @@
 
 #include "backend/cpu/matmul.h"
 #include "io/model_config.h"
+#include "model/input_statistics.h"
 #include "model/weights.h"
 
 namespace mtpx::tools {
@@ -71,6 +72,9 @@ struct QuantSpec {
 struct WriteOptions {
   Layout layout = Layout::kHuggingFace;
   QuantSpec quant;
+  // Calibration for QuantMethod::kLeastSquares: each matrix's input mean squares weigh its columns' errors
+  // (matrices it has no entry for are fitted unweighted). Not owned; nullptr: none.
+  const InputStatistics* importance = nullptr;
   uint64_t seed = 0;                           // for random sources
   int64_t max_shard_bytes = int64_t{4} << 30;  // larger checkpoints are sharded with an index
   std::function<void(double fraction)> progress;

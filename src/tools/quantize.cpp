@@ -3,9 +3,15 @@
 #include <fmt/core.h>
 
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 
 #include "io/model_config.h"
+#include "model/input_statistics.h"
+#include "model/mtp_head.h"
 #include "model/qwen35.h"
+#include "tokenizer/tokenizer.h"
+#include "tools/graft.h"
 #include "util/error.h"
 
 namespace mtpx::tools {
@@ -28,9 +34,47 @@ json quantize_model(const fs::path& model_dir, const fs::path& out, const Quanti
                  "warning: '%s' is already quantized; its weights are dequantized and quantized again\n",
                  model_dir.c_str());
 
+  // Calibration: the inputs of every product over the text, trunk and head (teacher-forced).
+  InputStatistics stats;
+  int64_t calibration_tokens = 0;
+  if (o.quant.method == QuantMethod::kMlx && o.calibration != "builtin" && o.calibration != "none")
+    invalid_input("--calibration needs --method least-squares (MLX's rule uses no calibration)");
+  if (o.quant.method == QuantMethod::kLeastSquares && o.calibration != "none") {
+    std::vector<int32_t> ids;
+    if (o.calibration == "builtin") {
+      ids = graft_sample_ids(model_dir, model->config().vocab_size);
+    } else {
+      if (!fs::is_regular_file(o.calibration))
+        invalid_input("--calibration '{}': not a file (or builtin, none)", o.calibration);
+      if (!fs::exists(model_dir / "tokenizer.json"))
+        invalid_input("--calibration FILE needs the model's tokenizer.json");
+      std::ifstream in(o.calibration, std::ios::binary);
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      ids = Tokenizer::from_file(model_dir / "tokenizer.json").encode(text);
+      if (ids.size() > 2048) ids.resize(2048);
+    }
+    if (ids.size() < 2) invalid_input("--calibration '{}': fewer than 2 tokens", o.calibration);
+    const auto n = static_cast<int64_t>(ids.size());
+    InferenceState state = model->new_state(n);
+    state.set_input_statistics(&stats);
+    ForwardResult r;
+    model->forward(state, ids, LogitRows::kNone, r);
+    if (model->mtp() != nullptr) {
+      MtpState head(model->config(), n);
+      head.set_input_statistics(&stats);
+      MtpResult m;
+      const auto H = static_cast<size_t>(model->config().hidden_size);
+      mtp_forward(*model, head, std::span<const float>(r.hidden.data(), static_cast<size_t>(n - 1) * H),
+                  std::span<const int32_t>(ids.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kNone,
+                  m);
+    }
+    calibration_tokens = n;
+  }
+
   WriteOptions w;
   w.layout = Layout::kMlx;
   w.quant = o.quant;
+  w.importance = calibration_tokens > 0 ? &stats : nullptr;
   w.progress = o.progress;
   AtomicDirectory staging(out, o.force);
   const int64_t bytes = write_checkpoint_tensors(
@@ -49,6 +93,8 @@ json quantize_model(const fs::path& model_dir, const fs::path& out, const Quanti
           {"bits", o.quant.bits},
           {"group_size", o.quant.group_size},
           {"method", o.quant.method == QuantMethod::kMlx ? "mlx" : "least-squares"},
+          {"calibration", calibration_tokens > 0 ? o.calibration : "none"},
+          {"calibration_tokens", calibration_tokens},
           {"mtp_fc_bits", o.quant.mtp_fc_bits},
           {"mtp_head", model->mtp() != nullptr},
           {"bytes", bytes}};

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "tools/checkpoint.h"
 
@@ -15,6 +16,10 @@ namespace mtpx::tools {
 
 struct QuantizeOptions {
   QuantSpec quant;
+  // QuantMethod::kLeastSquares weighs each column's error by the mean square of its input over a
+  // calibration text run through the bf16 model (trunk and head): "builtin" (graft's sample text),
+  // "none" (unweighted), or a text file (its first 2048 tokens).
+  std::string calibration = "builtin";
   bool force = false;
   std::function<void(double)> progress;
 };

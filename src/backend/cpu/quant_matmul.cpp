@@ -1158,7 +1158,7 @@ void quantize_groups(const float* w, int64_t rows, int64_t cols, int bits, int64
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       const float* v = w + r * cols + g * group_size;
-      const auto [scale, bias] = choose(v, group_size, max_code);
+      const auto [scale, bias] = choose(v, g * group_size, group_size, max_code);
       scales[r * groups + g] = scale;
       biases[r * groups + g] = bias;
       pack_group(v, group_size, g, bits, scale, bias, max_code, packed + r * words_per_row);
@@ -1167,12 +1167,12 @@ void quantize_groups(const float* w, int64_t rows, int64_t cols, int bits, int64
 
 float round_to_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
-// Squared error of the group decoded with (scale, bias), codes chosen for them.
-double group_error(const float* v, int64_t n, float scale, float bias, float max_code) {
+// Squared error of the group decoded with (scale, bias), codes chosen for them; value j weighs wt[j].
+double group_error(const float* v, const float* wt, int64_t n, float scale, float bias, float max_code) {
   double e = 0.0;
   for (int64_t j = 0; j < n; ++j) {
     const double d = static_cast<double>(scale) * code_for(v[j], scale, bias, max_code) + bias - v[j];
-    e += d * d;
+    e += wt[j] * d * d;
   }
   return e;
 }
@@ -1181,35 +1181,41 @@ double group_error(const float* v, int64_t n, float scale, float bias, float max
 
 void quantize_affine(const float* w, int64_t rows, int64_t cols, int bits, int64_t group_size,
                      uint32_t* packed, float* scales, float* biases) {
-  quantize_groups(w, rows, cols, bits, group_size, packed, scales, biases, mlx_scale_bias);
+  quantize_groups(
+      w, rows, cols, bits, group_size, packed, scales, biases,
+      [](const float* v, int64_t, int64_t n, float max_code) { return mlx_scale_bias(v, n, max_code); });
 }
 
 void quantize_affine_least_squares(const float* w, int64_t rows, int64_t cols, int bits, int64_t group_size,
-                                   uint32_t* packed, float* scales, float* biases) {
+                                   uint32_t* packed, float* scales, float* biases,
+                                   const float* column_weights) {
+  const std::vector<float> ones(static_cast<size_t>(column_weights == nullptr ? group_size : 0), 1.0f);
   quantize_groups(
       w, rows, cols, bits, group_size, packed, scales, biases,
-      [](const float* v, int64_t n, float max_code) -> std::pair<float, float> {
+      [&](const float* v, int64_t col0, int64_t n, float max_code) -> std::pair<float, float> {
+        const float* wt = column_weights != nullptr ? column_weights + col0 : ones.data();
         const auto [mlx_scale, mlx_bias] = mlx_scale_bias(v, n, max_code);
         float best_scale = round_to_bf16(mlx_scale), best_bias = round_to_bf16(mlx_bias);
         if (best_scale == 0.0f) return {mlx_scale, mlx_bias};
-        double best = group_error(v, n, best_scale, best_bias, max_code);
+        double best = group_error(v, wt, n, best_scale, best_bias, max_code);
         const float lo = *std::min_element(v, v + n), hi = *std::max_element(v, v + n);
         if (!(hi > lo)) return {best_scale, best_bias};
         for (int step = 0; step <= 20; ++step) {
           // Codes of the range [lo, hi] spread over max_code - 1 + step / 10 steps.
           const float inverse = (max_code - 1.0f + 0.1f * static_cast<float>(step)) / (hi - lo);
-          double sum_q = 0, sum_qq = 0, sum_v = 0, sum_qv = 0;
+          double sum_w = 0, sum_q = 0, sum_qq = 0, sum_v = 0, sum_qv = 0;
           for (int64_t j = 0; j < n; ++j) {
             const double q = round_nonnegative(std::clamp(inverse * (v[j] - lo), 0.0f, max_code));
-            sum_q += q, sum_qq += q * q, sum_v += v[j], sum_qv += q * v[j];
+            sum_w += wt[j], sum_q += wt[j] * q, sum_qq += wt[j] * q * q;
+            sum_v += wt[j] * v[j], sum_qv += wt[j] * q * v[j];
           }
-          // Least squares for v ~ scale * q + bias over the group.
-          const double det = static_cast<double>(n) * sum_qq - sum_q * sum_q;
-          if (det <= 0.0) continue;
-          const auto scale = round_to_bf16(static_cast<float>((n * sum_qv - sum_q * sum_v) / det));
+          // Weighted least squares for v ~ scale * q + bias over the group.
+          const double det = sum_w * sum_qq - sum_q * sum_q;
+          if (!(det > 0.0)) continue;
+          const auto scale = round_to_bf16(static_cast<float>((sum_w * sum_qv - sum_q * sum_v) / det));
           const auto bias = round_to_bf16(static_cast<float>((sum_qq * sum_v - sum_q * sum_qv) / det));
           if (scale == 0.0f || !std::isfinite(scale) || !std::isfinite(bias)) continue;
-          const double e = group_error(v, n, scale, bias, max_code);
+          const double e = group_error(v, wt, n, scale, bias, max_code);
           if (e < best) best = e, best_scale = scale, best_bias = bias;
         }
         return {best_scale, best_bias};

@@ -45,8 +45,11 @@ void quantize_affine(const float* w, int64_t rows, int64_t cols, int bits, int64
 // recomputed for the rounded scale and bias, and the group keeps whichever candidate has the smallest
 // squared error (MLX's own on a tie). Returned scales and biases are exactly representable in bf16. Same
 // requirements and errors as quantize_affine.
+// column_weights [cols] (optional, >= 0): the error of column k counts column_weights[k] times, in the
+// fits and in the comparison (calibration: the mean square of each input, model/input_statistics.h).
 void quantize_affine_least_squares(const float* w, int64_t rows, int64_t cols, int bits, int64_t group_size,
-                                   uint32_t* packed, float* scales, float* biases);
+                                   uint32_t* packed, float* scales, float* biases,
+                                   const float* column_weights = nullptr);
 
 // Code k (0 <= code < 2^bits) of row `row` of a kAffine matrix.
 uint32_t affine_code(const WeightMatrix& w, int64_t row, int64_t k);
