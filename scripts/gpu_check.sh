@@ -16,6 +16,8 @@ export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
 status=0
+# Tests that run the CLI start the build tree's mtpx (its path is compiled in): carried binaries stand in.
+if [ "$bin" != build ] && [ ! -e build/mtpx ]; then mkdir -p build && ln -s "$(realpath "$bin")/mtpx" build/mtpx; fi
 # The GPU's quantized kernels compute in float: they are compared with the CPU's float tiles, not with its
 # int8-activation ones (quant_matmul.h).
 MTPX_AFFINE_ACTIVATIONS=f32 "$bin/mtpx_tests" --gtest_filter='Cuda*:*CudaFixture*:*CudaQuantized*' --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" || status=1

@@ -315,6 +315,28 @@ INSTANTIATE_TEST_SUITE_P(Affine, CudaQuantized,
                                               param_info.param.group_size);
                          });
 
+// GPU memory is reported: the weights' bytes (the model's matrices at their stored width, and more for the
+// vectors) and a peak in use that holds at least them and a sequence's caches; `generate --json` carries
+// both.
+TEST(Cuda, DeviceMemoryIsReported) {
+  MTPX_GPU_MODEL(gpu, kDefaultModel);
+  const DeviceExecutor& e = *gpu->executor();
+  EXPECT_GT(e.weight_bytes(), 10 << 20);  // the shipped model's bf16 weights are 15.6 MiB
+  InferenceState s = gpu->new_state(4096);
+  ForwardResult r;
+  gpu->forward(s, prompt_for(*gpu, 8), LogitRows::kLast, r);
+  const int64_t kv_bytes = 2 * 2 * 4096 * gpu->config().num_kv_heads * gpu->config().head_dim * 4;
+  EXPECT_GE(e.peak_device_bytes(), e.weight_bytes() + kv_bytes);
+  const auto g = testing_util::run("generate --device cuda --prompt \"def f():\" --max-tokens 4 --json");
+  ASSERT_EQ(g.code, 0) << g.err;
+  const auto stats = nlohmann::json::parse(g.out)["stats"];
+  EXPECT_EQ(stats["gpu_weight_bytes"].get<int64_t>(), e.weight_bytes());
+  EXPECT_GE(stats["gpu_peak_bytes"].get<int64_t>(), e.weight_bytes());
+  // On the CPU there is no GPU to report.
+  const auto c = testing_util::run("generate --prompt \"def f():\" --max-tokens 4 --json");
+  EXPECT_FALSE(nlohmann::json::parse(c.out)["stats"].contains("gpu_weight_bytes"));
+}
+
 TEST(Cuda, ContextOverflowAndForeignStatesAreClearErrors) {
   MTPX_GPU_MODEL(m, kDefaultModel);
   InferenceState s = m->new_state(4);

@@ -94,7 +94,7 @@ int run_bench_command(const BenchFlags& f) {
     }
     rows.push_back(row);
   }
-  const nlohmann::json report = {
+  nlohmann::json report = {
       {"model", dir.string()},
       {"protocol",
        {{"prompt_tokens", prompt.size()},
@@ -107,6 +107,7 @@ int run_bench_command(const BenchFlags& f) {
       {"threads", omp_get_max_threads()},
       {"results", rows},
       {"peak_rss_bytes", peak_rss_bytes()}};
+  report.update(device_memory_json(*model));
   if (f.json) {
     fmt::print("{}\n", report.dump(2));
     return 0;
@@ -134,7 +135,8 @@ int run_bench_command(const BenchFlags& f) {
         row.contains("tokens_per_step") ? fmt::format("{:.2f}", row["tokens_per_step"].get<double>())
                                         : "1.00");
   }
-  fmt::print("peak memory {:.1f} MiB\n", static_cast<double>(peak_rss_bytes()) / (1 << 20));
+  fmt::print("peak memory {:.1f} MiB{}\n", static_cast<double>(peak_rss_bytes()) / (1 << 20),
+             device_memory_text(*model));
   return 0;
 }
 

@@ -1,11 +1,13 @@
 #include "cli/common.h"
 
+#include <fmt/core.h>
 #include <omp.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdlib>
 
+#include "model/device.h"
 #include "util/error.h"
 
 namespace mtpx::cli {
@@ -87,6 +89,20 @@ std::unique_ptr<Model> load_model_on(const std::filesystem::path& dir, const std
 
 void set_threads(int threads) {
   if (threads > 0) omp_set_num_threads(threads);
+}
+
+nlohmann::json device_memory_json(const Model& model) {
+  const DeviceExecutor* e = model.executor();
+  if (e == nullptr) return nlohmann::json::object();
+  return {{"gpu_weight_bytes", e->weight_bytes()}, {"gpu_peak_bytes", e->peak_device_bytes()}};
+}
+
+std::string device_memory_text(const Model& model) {
+  const DeviceExecutor* e = model.executor();
+  if (e == nullptr) return "";
+  return fmt::format(" | GPU: weights {:.2f} GiB, peak in use {:.2f} GiB",
+                     static_cast<double>(e->weight_bytes()) / (1 << 30),
+                     static_cast<double>(e->peak_device_bytes()) / (1 << 30));
 }
 
 }  // namespace mtpx::cli

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,6 +36,12 @@ std::unique_ptr<Model> load_model_on(const std::filesystem::path& dir, const std
 
 // Peak resident set size of this process in bytes.
 int64_t peak_rss_bytes();
+
+// A model on a GPU: the device memory its weights take and the most seen in use (DeviceExecutor), as JSON
+// fields ({} on the CPU) and as a summary fragment (" | GPU: weights 1.2 GiB, peak in use 3.4 GiB"; "" on
+// the CPU).
+nlohmann::json device_memory_json(const Model& model);
+std::string device_memory_text(const Model& model);
 
 // Sets the number of worker threads (0: leave the default).
 void set_threads(int threads);

@@ -47,13 +47,14 @@ nlohmann::json mtp_json(const MtpStats& m) {
           {"mean_accepted_per_step", m.mean_accepted_per_step()}};
 }
 
-nlohmann::json result_json(const GenerateResult& r, const std::string& text) {
+nlohmann::json result_json(const GenerateResult& r, const std::string& text, const Model& model) {
   nlohmann::json stats = {{"prompt_tokens", r.stats.prompt_tokens},
                           {"generated_tokens", r.stats.generated_tokens},
                           {"prefill_tok_s", r.stats.prefill_tok_s()},
                           {"decode_tok_s", r.stats.decode_tok_s()},
                           {"peak_rss_bytes", peak_rss_bytes()}};
   if (r.stats.mtp.draft > 0) stats["mtp"] = mtp_json(r.stats.mtp);
+  stats.update(device_memory_json(model));
   return {{"tokens", r.tokens}, {"text", text}, {"finish_reason", r.finish_reason}, {"stats", stats}};
 }
 
@@ -114,7 +115,7 @@ int run_generate(const GenerateFlags& f) {
     };
     GenerateResult r = generate(*model, prompt, options, on_token);
     if (f.json) {
-      all.push_back(result_json(r, text_of(r.tokens)));
+      all.push_back(result_json(r, text_of(r.tokens), *model));
     } else {
       if (stream) std::fputs(stream->flush().c_str(), stdout);
       std::printf("\n");
@@ -128,10 +129,10 @@ int run_generate(const GenerateFlags& f) {
                                                 : 0.0);
       std::fprintf(stderr,
                    "[prompt %lld tok, prefill %.1f tok/s | generated %lld tok, decode %.1f tok/s%s | peak "
-                   "RSS %.0f MiB]\n",
+                   "RSS %.0f MiB%s]\n",
                    static_cast<long long>(r.stats.prompt_tokens), r.stats.prefill_tok_s(),
                    static_cast<long long>(r.stats.generated_tokens), r.stats.decode_tok_s(), mtp.c_str(),
-                   static_cast<double>(peak_rss_bytes()) / (1 << 20));
+                   static_cast<double>(peak_rss_bytes()) / (1 << 20), device_memory_text(*model).c_str());
     }
   }
   // Text cut inside a UTF-8 character (max-tokens reached mid-character) is printed with U+FFFD.

@@ -3,6 +3,7 @@
 // Weights are uploaded once; activations live in scratch buffers sized for the longest pass so far;
 // each sequence holds its KV caches and DeltaNet states in device memory.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -81,6 +82,7 @@ class CudaExecutor final : public DeviceExecutor {
   explicit CudaExecutor(const Model& model);
   std::string description() const override { return description_; }
   int64_t weight_bytes() const override { return weight_bytes_; }
+  int64_t peak_device_bytes() const override { return peak_device_bytes_.load(); }
   std::unique_ptr<DeviceSequence> new_sequence(int64_t capacity) const override;
   std::unique_ptr<DeviceSequence> new_mtp_sequence(int64_t capacity) const override;
   void forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens, LogitRows rows,
@@ -128,6 +130,15 @@ class CudaExecutor final : public DeviceExecutor {
   ModelConfig config_;
   std::string description_;
   int64_t weight_bytes_ = 0;
+  mutable std::atomic<int64_t> peak_device_bytes_{0};
+  // Samples the device's memory in use into peak_device_bytes_.
+  void note_device_usage() const {
+    const cuda::DeviceInfo info = cuda::device_info();
+    const int64_t used = info.total_bytes - info.free_bytes;
+    int64_t seen = peak_device_bytes_.load();
+    while (used > seen && !peak_device_bytes_.compare_exchange_weak(seen, used)) {
+    }
+  }
   mutable std::mutex mutex_;  // one pass at a time: the scratch buffers are shared
   cuda::Stream stream_;
   std::vector<Buffer> arena_;               // every uploaded tensor
@@ -188,6 +199,7 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
   ensure_scratch(cuda::kGemmMinRows);
   logits_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * c.vocab_size) * sizeof(float));
   argmax_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows) * sizeof(int32_t));
+  note_device_usage();
   // MTPX_CUDA_GRAPHS=0 runs every pass launch by launch (for debugging and for measuring what graphs save).
   if (const char* g = std::getenv("MTPX_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
 }
@@ -299,6 +311,7 @@ void CudaExecutor::ensure_scratch(int64_t rows) const {
   stream_.synchronize();  // the old buffers may still be in use by queued work
   scratch_ = std::move(s);
   ++scratch_generation_;  // graphs captured on the old buffers are stale
+  note_device_usage();
 }
 
 std::unique_ptr<DeviceSequence> CudaExecutor::new_sequence(int64_t capacity) const {
@@ -327,6 +340,7 @@ std::unique_ptr<DeviceSequence> CudaExecutor::new_sequence(int64_t capacity) con
     }
   }
   stream_.synchronize();
+  note_device_usage();
   return seq;
 }
 
@@ -334,6 +348,7 @@ std::unique_ptr<DeviceSequence> CudaExecutor::new_mtp_sequence(int64_t capacity)
   auto seq = std::make_unique<CudaSequence>();
   const size_t n = static_cast<size_t>(capacity * config_.num_kv_heads * config_.head_dim) * sizeof(float);
   seq->kv.push_back({Buffer(n), Buffer(n)});
+  note_device_usage();
   return seq;
 }
 

@@ -23,6 +23,10 @@ class DeviceExecutor {
   virtual ~DeviceExecutor() = default;
   virtual std::string description() const = 0;  // "cuda: NVIDIA H200, sm_90, 139.8 GiB"
   virtual int64_t weight_bytes() const = 0;     // device memory holding weights
+  // The most device memory seen in use, as the driver counts it (cudaMemGetInfo: this process's context,
+  // weights, scratch and sequences, and any other process's), sampled after the upload and after each
+  // sequence or scratch allocation (the moments it grows).
+  virtual int64_t peak_device_bytes() const = 0;
 
   // A trunk sequence (KV caches + DeltaNet states) and an MTP-head sequence (its KV cache).
   virtual std::unique_ptr<DeviceSequence> new_sequence(int64_t capacity) const = 0;
