@@ -100,9 +100,9 @@ nlohmann::json device_memory_json(const Model& model) {
 std::string device_memory_text(const Model& model) {
   const DeviceExecutor* e = model.executor();
   if (e == nullptr) return "";
-  return fmt::format(" | GPU: weights {:.2f} GiB, peak in use {:.2f} GiB",
-                     static_cast<double>(e->weight_bytes()) / (1 << 30),
-                     static_cast<double>(e->peak_device_bytes()) / (1 << 30));
+  return fmt::format(" | GPU: weights {:.0f} MiB, peak in use {:.0f} MiB",
+                     static_cast<double>(e->weight_bytes()) / (1 << 20),
+                     static_cast<double>(e->peak_device_bytes()) / (1 << 20));
 }
 
 }  // namespace mtpx::cli

@@ -38,7 +38,7 @@ std::unique_ptr<Model> load_model_on(const std::filesystem::path& dir, const std
 int64_t peak_rss_bytes();
 
 // A model on a GPU: the device memory its weights take and the most seen in use (DeviceExecutor), as JSON
-// fields ({} on the CPU) and as a summary fragment (" | GPU: weights 1.2 GiB, peak in use 3.4 GiB"; "" on
+// fields ({} on the CPU) and as a summary fragment (" | GPU: weights 17 MiB, peak in use 612 MiB"; "" on
 // the CPU).
 nlohmann::json device_memory_json(const Model& model);
 std::string device_memory_text(const Model& model);
