@@ -19,6 +19,47 @@ namespace mtpx::tools {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+namespace {
+
+// The calibration text's ids: graft's sample ("builtin") or a text file's first 2048 tokens.
+std::vector<int32_t> calibration_ids(const Model& model, const fs::path& model_dir,
+                                     const std::string& source) {
+  if (source == "builtin") return graft_sample_ids(model_dir, model.config().vocab_size);
+  if (!fs::is_regular_file(source))
+    invalid_input("--calibration '{}': not a file (or builtin, none)", source);
+  if (!fs::exists(model_dir / "tokenizer.json"))
+    invalid_input("--calibration FILE needs the model's tokenizer.json");
+  std::ifstream in(source, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<int32_t> ids = Tokenizer::from_file(model_dir / "tokenizer.json").encode(text);
+  if (ids.size() > 2048) ids.resize(2048);
+  return ids;
+}
+
+// Adds the inputs of every product over the calibration text to `stats`, trunk and head (teacher-forced);
+// returns the text's length in tokens.
+int64_t calibrate(const Model& model, const fs::path& model_dir, const std::string& source,
+                  InputStatistics& stats) {
+  const std::vector<int32_t> ids = calibration_ids(model, model_dir, source);
+  if (ids.size() < 2) invalid_input("--calibration '{}': fewer than 2 tokens", source);
+  const auto n = static_cast<int64_t>(ids.size());
+  InferenceState state = model.new_state(n);
+  state.set_input_statistics(&stats);
+  ForwardResult r;
+  model.forward(state, ids, LogitRows::kNone, r);
+  if (model.mtp() != nullptr) {
+    MtpState head(model.config(), n);
+    head.set_input_statistics(&stats);
+    MtpResult m;
+    const auto H = static_cast<size_t>(model.config().hidden_size);
+    mtp_forward(model, head, std::span<const float>(r.hidden.data(), static_cast<size_t>(n - 1) * H),
+                std::span<const int32_t>(ids.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kNone, m);
+  }
+  return n;
+}
+
+}  // namespace
+
 json quantize_model(const fs::path& model_dir, const fs::path& out, const QuantizeOptions& o) {
   if (o.quant.bits != 4 && o.quant.bits != 6 && o.quant.bits != 8) invalid_input("--bits must be 4, 6 or 8");
   if (o.quant.mtp_fc_bits != 16 && o.quant.mtp_fc_bits != 8 && o.quant.mtp_fc_bits != 4)
@@ -34,42 +75,12 @@ json quantize_model(const fs::path& model_dir, const fs::path& out, const Quanti
                  "warning: '%s' is already quantized; its weights are dequantized and quantized again\n",
                  model_dir.c_str());
 
-  // Calibration: the inputs of every product over the text, trunk and head (teacher-forced).
-  InputStatistics stats;
-  int64_t calibration_tokens = 0;
   if (o.quant.method == QuantMethod::kMlx && o.calibration != "builtin" && o.calibration != "none")
     invalid_input("--calibration needs --method least-squares (MLX's rule uses no calibration)");
-  if (o.quant.method == QuantMethod::kLeastSquares && o.calibration != "none") {
-    std::vector<int32_t> ids;
-    if (o.calibration == "builtin") {
-      ids = graft_sample_ids(model_dir, model->config().vocab_size);
-    } else {
-      if (!fs::is_regular_file(o.calibration))
-        invalid_input("--calibration '{}': not a file (or builtin, none)", o.calibration);
-      if (!fs::exists(model_dir / "tokenizer.json"))
-        invalid_input("--calibration FILE needs the model's tokenizer.json");
-      std::ifstream in(o.calibration, std::ios::binary);
-      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      ids = Tokenizer::from_file(model_dir / "tokenizer.json").encode(text);
-      if (ids.size() > 2048) ids.resize(2048);
-    }
-    if (ids.size() < 2) invalid_input("--calibration '{}': fewer than 2 tokens", o.calibration);
-    const auto n = static_cast<int64_t>(ids.size());
-    InferenceState state = model->new_state(n);
-    state.set_input_statistics(&stats);
-    ForwardResult r;
-    model->forward(state, ids, LogitRows::kNone, r);
-    if (model->mtp() != nullptr) {
-      MtpState head(model->config(), n);
-      head.set_input_statistics(&stats);
-      MtpResult m;
-      const auto H = static_cast<size_t>(model->config().hidden_size);
-      mtp_forward(*model, head, std::span<const float>(r.hidden.data(), static_cast<size_t>(n - 1) * H),
-                  std::span<const int32_t>(ids.data() + 1, static_cast<size_t>(n - 1)), 0, LogitRows::kNone,
-                  m);
-    }
-    calibration_tokens = n;
-  }
+  InputStatistics stats;
+  const int64_t calibration_tokens = o.quant.method == QuantMethod::kLeastSquares && o.calibration != "none"
+                                         ? calibrate(*model, model_dir, o.calibration, stats)
+                                         : 0;
 
   WriteOptions w;
   w.layout = Layout::kMlx;

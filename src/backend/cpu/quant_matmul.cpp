@@ -1195,8 +1195,8 @@ void quantize_affine_least_squares(const float* w, int64_t rows, int64_t cols, i
       [&](const float* v, int64_t col0, int64_t n, float max_code) -> std::pair<float, float> {
         const float* wt = column_weights != nullptr ? column_weights + col0 : ones.data();
         const auto [mlx_scale, mlx_bias] = mlx_scale_bias(v, n, max_code);
+        // (|mlx_scale| >= ~1e-7, so its bf16 rounding is never 0.)
         float best_scale = round_to_bf16(mlx_scale), best_bias = round_to_bf16(mlx_bias);
-        if (best_scale == 0.0f) return {mlx_scale, mlx_bias};
         double best = group_error(v, wt, n, best_scale, best_bias, max_code);
         const float lo = *std::min_element(v, v + n), hi = *std::max_element(v, v + n);
         if (!(hi > lo)) return {best_scale, best_bias};
