@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -14,8 +15,9 @@ namespace mtpx::cpu {
 namespace {
 
 struct Matrix {
-  std::vector<uint16_t> half;  // bf16 or f16 storage
-  std::vector<float> full;     // f32 storage
+  std::vector<uint16_t> half;        // bf16 or f16 storage
+  std::vector<float> full;           // f32 storage
+  std::unique_ptr<TileArena> tiles;  // bf16 on an AMX CPU: the tiles the AMX kernels read, as a model has
   WeightMatrix view;
 };
 
@@ -32,6 +34,11 @@ Matrix make_matrix(WeightType type, int64_t rows, int64_t cols, uint64_t seed) {
     m.half.resize(n);
     for (uint16_t& x : m.half) x = type == WeightType::kBF16 ? f32_to_bf16(dist(rng)) : f32_to_f16(dist(rng));
     m.view = {type, m.half.data(), rows, cols};
+  }
+  if (matmul_kernel_supported(MatmulKernel::kAmx) && amx_tile_words(m.view) > 0) {
+    m.tiles = std::make_unique<TileArena>(amx_tile_words(m.view));
+    pack_amx_tiles(m.view, m.tiles->data());
+    m.view.amx_tiles = m.tiles->data();
   }
   return m;
 }
@@ -92,7 +99,7 @@ TEST_P(MatmulTest, MatchesDoubleReference) {
                             {9, 1072},
                             {40, 320}}) {
     Matrix w = make_matrix(GetParam(), rows, cols, 1);
-    for (int64_t m : {1, 3, 4, 5, 37}) {
+    for (int64_t m : {1, 3, 4, 5, 6, 11, 15, 37}) {
       auto x = random_vector(static_cast<size_t>(m * cols), 2);
       std::vector<float> y(static_cast<size_t>(m * rows)), ref(y.size());
       matmul_reference(w.view, x.data(), m, ref.data());
@@ -138,7 +145,7 @@ TEST_P(MatmulTest, PrefillMatchesDoubleReference) {
 
 void check_batch_invariance(WeightType type, MatmulKernel kernel, int64_t rows, int64_t cols) {
   Matrix w = make_matrix(type, rows, cols, 3);
-  const int64_t max_m = 11;
+  const int64_t max_m = kGemmMinRows - 1;  // every small-M window (AMX: up to three A tiles)
   auto x = random_vector(static_cast<size_t>(max_m * cols), 4);
   std::vector<float> single(static_cast<size_t>(max_m * rows));
   for (int64_t r = 0; r < max_m; ++r)
@@ -165,8 +172,8 @@ void check_batch_invariance(WeightType type, MatmulKernel kernel, int64_t rows, 
 TEST_P(MatmulTest, BatchInvariantBitwise) {
   // 300: whole blocks then a scalar tail; 304 = 9 x 32 + 16 = 4 x 64 + 48 and 1072 = 33 x 32 + 16 =
   // 16 x 64 + 48: a partial block of whole vectors on AVX2 and on AVX-512, in short rows (kernels of
-  // several output rows) and long ones (one output row at a time). 320 = 10 x 32: AMX tiles (75 rows = 4
-  // blocks of 16 and a short one; up to 11 activation rows = 3 B tiles).
+  // several output rows) and long ones (one output row at a time). 320 = 10 x 32: AMX tiles (bf16; 75 rows =
+  // 4 blocks of 16 and a short one; up to 15 activation rows = 3 A tiles).
   for (MatmulKernel kernel : supported_kernels())
     for (const int64_t cols : {300, 304, 1072, 320}) check_batch_invariance(GetParam(), kernel, 75, cols);
 }

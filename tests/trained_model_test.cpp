@@ -7,7 +7,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 
+#include "backend/cpu/matmul.h"
 #include "decode/generate.h"
 #include "io/safetensors.h"
 #include "model/input_statistics.h"
@@ -64,6 +66,53 @@ TEST(TrainedModel, LogitsHiddenAndMtpLogitsMatchTransformersOnHeldOutCode) {
 // only write keys and values. The last row and the cache it leaves must be what a pass of every row gives:
 // bitwise for windows (the row kernels are batch-invariant), to float rounding for a prompt pass (whose
 // all-rows form attends in GEMM blocks).
+// On a CPU whose kernels are AMX tile products, loading packs every bf16 matrix of the trunk and the head
+// into tiles: word (p, n) of the tile of block b and k-block kb holds w[16b + n, 32kb + 2p] in its low half
+// and w[16b + n, 32kb + 2p + 1] in its high half, rows past the matrix are zero. Elsewhere nothing is
+// packed.
+TEST(TrainedModel, LoadingPacksEveryBf16MatrixIntoAmxTilesWhereTheKernelsUseThem) {
+  auto model = Model::load(kDefaultModel);
+  std::vector<const cpu::WeightMatrix*> matrices{&model->weights().lm_head, &model->mtp()->fc};
+  auto add_layer = [&](const LayerWeights& l) {
+    if (l.attention)
+      for (const cpu::WeightMatrix* w :
+           {&l.attention->q_proj, &l.attention->k_proj, &l.attention->v_proj, &l.attention->o_proj})
+        matrices.push_back(w);
+    if (l.delta_net)
+      for (const cpu::WeightMatrix* w :
+           {&l.delta_net->in_proj_qkv, &l.delta_net->in_proj_z, &l.delta_net->in_proj_b,
+            &l.delta_net->in_proj_a, &l.delta_net->out_proj})
+        matrices.push_back(w);
+    for (const cpu::WeightMatrix* w : {&l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj})
+      matrices.push_back(w);
+  };
+  for (const LayerWeights& l : model->weights().layers) add_layer(l);
+  add_layer(model->mtp()->layer);
+  ASSERT_EQ(matrices.size(), 2u + 6 * 8 + 2 * 7 + 7);
+  std::mt19937_64 rng(7);
+  for (const cpu::WeightMatrix* w : matrices) {
+    ASSERT_EQ(w->type, cpu::WeightType::kBF16);
+    if (!cpu::amx_small_m_path()) {
+      EXPECT_EQ(w->amx_tiles, nullptr);
+      continue;
+    }
+    ASSERT_NE(w->amx_tiles, nullptr) << w->rows << " x " << w->cols;
+    const auto* bits = static_cast<const uint16_t*>(w->data);
+    const int64_t k_blocks = w->cols / 32, blocks = (w->rows + 31) / 32 * 2;
+    for (int i = 0; i < 200; ++i) {
+      const int64_t b = static_cast<int64_t>(rng() % static_cast<uint64_t>(blocks)),
+                    kb = static_cast<int64_t>(rng() % static_cast<uint64_t>(k_blocks));
+      const int64_t p = static_cast<int64_t>(rng() % 16), n = static_cast<int64_t>(rng() % 16);
+      const int64_t row = 16 * b + n, k = 32 * kb + 2 * p;
+      const uint32_t expected = row < w->rows ? static_cast<uint32_t>(bits[row * w->cols + k]) |
+                                                    static_cast<uint32_t>(bits[row * w->cols + k + 1]) << 16
+                                              : 0u;
+      ASSERT_EQ(w->amx_tiles[((b * k_blocks + kb) * 16 + p) * 16 + n], expected)
+          << w->rows << " x " << w->cols << " b=" << b << " kb=" << kb << " p=" << p << " n=" << n;
+    }
+  }
+}
+
 TEST(TrainedModel, MtpLastRowPassEqualsTheLastRowOfAFullPass) {
   auto model = Model::load(kDefaultModel);
   const auto prompt = samples()[0]["prompt_ids"].get<std::vector<int32_t>>();

@@ -36,6 +36,7 @@ std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
   m->config_.tensor_prefix = convention.tensor_prefix;
   m->weights_ = load_model_weights(*m->store_, m->config_, convention.norm_offset);
   m->mtp_ = load_mtp_weights(*m->store_, m->config_, m->mtp_status_, convention.norm_offset);
+  m->pack_amx_tiles();
   return m;
 }
 
@@ -48,7 +49,62 @@ std::unique_ptr<Model> Model::synthetic(const ModelConfig& config, uint64_t seed
     m->mtp_ = make_synthetic_mtp_weights(config, seed + 1, *m->synthetic_);
     m->mtp_status_ = {MtpStatus::Kind::kPresent, ""};
   }
+  m->pack_amx_tiles();
   return m;
+}
+
+namespace {
+
+// Every matrix a forward pass multiplies by (not embed_tokens, whose rows are looked up).
+template <typename F>
+void for_each_layer_matrix(LayerWeights& l, F f) {
+  if (l.attention) {
+    for (cpu::WeightMatrix* w :
+         {&l.attention->q_proj, &l.attention->k_proj, &l.attention->v_proj, &l.attention->o_proj})
+      f(*w);
+  }
+  if (l.delta_net) {
+    for (cpu::WeightMatrix* w : {&l.delta_net->in_proj_qkv, &l.delta_net->in_proj_z, &l.delta_net->in_proj_b,
+                                 &l.delta_net->in_proj_a, &l.delta_net->out_proj})
+      f(*w);
+  }
+  for (cpu::WeightMatrix* w : {&l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj}) f(*w);
+}
+
+}  // namespace
+
+void Model::pack_amx_tiles() {
+  if (!cpu::amx_small_m_path()) return;
+  // One arena for all the tiles, in the order the forward pass reads them, on huge pages where the kernel
+  // gives them (a decode step streams every tile once: 4 KiB pages cost a TLB miss per page).
+  int64_t total = 0;
+  auto count = [&](cpu::WeightMatrix& w) { total += (cpu::amx_tile_words(w) + 15) / 16 * 16; };
+  for (LayerWeights& l : weights_.layers) for_each_layer_matrix(l, count);
+  count(weights_.lm_head);
+  if (mtp_) {
+    count(mtp_->fc);
+    for_each_layer_matrix(mtp_->layer, count);
+  }
+  if (total == 0) return;
+  amx_arena_ = std::make_unique<cpu::TileArena>(total);
+  int64_t offset = 0;
+  auto pack = [&](cpu::WeightMatrix& w) {
+    const int64_t words = cpu::amx_tile_words(w);
+    if (words == 0) return;
+    uint32_t* tiles = amx_arena_->data() + offset;
+    offset += (words + 15) / 16 * 16;
+    cpu::pack_amx_tiles(w, tiles);
+    w.amx_tiles = tiles;
+  };
+  for (LayerWeights& l : weights_.layers) for_each_layer_matrix(l, pack);
+  pack(weights_.lm_head);
+  if (mtp_) {
+    pack(mtp_->fc);
+    for_each_layer_matrix(mtp_->layer, pack);
+  }
+  // The forward passes read the tiles now: let the kernel drop the mapped files' pages (embedding rows and
+  // anything else are read back from the files when touched).
+  if (store_) store_->release_pages();
 }
 
 void Model::use_device(const std::string& device) {
@@ -58,6 +114,15 @@ void Model::use_device(const std::string& device) {
   }
   if (device != "cuda") invalid_input("--device must be cpu or cuda, got '{}'", device);
   executor_ = make_cuda_executor(*this);
+  // The CPU's tile copies are not used on the GPU.
+  for (LayerWeights& l : weights_.layers)
+    for_each_layer_matrix(l, [](cpu::WeightMatrix& w) { w.amx_tiles = nullptr; });
+  weights_.lm_head.amx_tiles = nullptr;
+  if (mtp_) {
+    mtp_->fc.amx_tiles = nullptr;
+    for_each_layer_matrix(mtp_->layer, [](cpu::WeightMatrix& w) { w.amx_tiles = nullptr; });
+  }
+  amx_arena_.reset();
   // The weights now live on the GPU: let the kernel drop the mapped files' pages from this process's
   // memory (they are read back from the files if the CPU path ever touches them again).
   if (store_) store_->release_pages();

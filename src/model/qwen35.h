@@ -88,6 +88,10 @@ class Model {
   std::optional<MtpWeights> mtp_;
   MtpStatus mtp_status_;
   std::unique_ptr<DeviceExecutor> executor_;
+  // The bf16 matrices repacked into AMX tiles (cpu::pack_amx_tiles), when the CPU's kernels are AMX tile
+  // products; the matrices' amx_tiles point into these.
+  std::unique_ptr<cpu::TileArena> amx_arena_;
+  void pack_amx_tiles();
 };
 
 }  // namespace mtpx

@@ -7,6 +7,7 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -334,24 +335,30 @@ Activations prepare_activations(const float* x, int64_t m, int64_t k_dim, Activa
 }
 
 // ---------------------------------------------------------------------------------------------
-// AMX (Intel AMX-BF16 tile multiplies). TDPBF16PS computes C[i, n] += sum_k A[i, k] B[k, n] for a
-// 16 x 32 bf16 block A, a 32 x 16 bf16 block B (stored in pairs: B row p holds, per column n, the
-// elements k = 2p and 2p+1) and a 16 x 16 float32 block C. Here A is 16 weight rows x 32 columns, read in
-// place (64 bytes of each row, with the matrix's row stride), and B holds the activations. A float32
-// activation x is split into three bf16 terms, hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid)
-// (both subtractions are exact), each its own column of B: a bf16 weight times a bf16 term is exact in
-// float32, so the sum (lo + mid) + hi of the three columns keeps x's 24 bits and has only the float32
-// accumulation error (a single bf16 x would lose 16 of them). Five activation rows (15 columns) per B
-// tile; more rows take several passes over each 16-row block of weights (from L1/L2).
+// AMX (Intel AMX-BF16 tile multiplies) for decode and verify windows, on weights repacked once into tiles
+// (pack_amx_tiles). TDPBF16PS computes C[i, n] += sum_k A[i, k] B[k, n] for a 16 x 32 bf16 block A, a
+// 32 x 16 bf16 block B stored in pairs (B row p holds, per column n, the elements k = 2p and 2p + 1) and a
+// 16 x 16 float32 block C. B holds 16 output features x 32 k of the weights: pack_amx_tiles lays the 1 KiB
+// tiles out in the order the kernel reads them (per block of 16 features, its k-blocks in order), so a
+// thread's share of a matrix is one sequential stream. (The weights read in place, 16 strided rows per
+// tile, took a decode step's products 1.2-1.3x as long as the AVX-512 kernels; BENCHMARKS.md, session 13.)
+// A holds the
+// activations: a float32 x is split into three bf16 terms, hi = bf16(x), mid = bf16(x - hi),
+// lo = bf16(x - hi - mid) (both subtractions are exact), each its own row of A. A bf16 weight times a bf16
+// term is exact in float32, so the sum (lo + mid) + hi of the three rows keeps x's 24 bits and has only
+// the float32 accumulation error (a single bf16 x would lose 16 of them). Five activation rows per A tile
+// (15 of its 16 rows), up to three A tiles (kGemmMinRows - 1 rows) per load of a B tile.
 //
 // Why: a tile multiply takes the same time whatever number of rows it holds, so a verify window of 2-5
-// rows costs about what one decode row does (the AVX-512 kernels pay one activation load and FMA per row
-// and weight vector). One weight row block streams from memory at the rate of the AVX-512 kernel.
+// rows costs what one decode row does, where the AVX-512 kernels pay one FMA per row and weight vector
+// (on the 2-core Xeon, 3-5 row windows made the bf16 FMA kernels compute-bound).
 //
 // Batch invariance: each C element is computed from its own A row and B column only (Intel SDM,
-// TDPBF16PS), over the k-blocks of 32 in order, then its three columns are added in a fixed order; which
-// other rows, columns or threads share the work changes nothing.
-constexpr int64_t kAmxRowsPerTile = 5;  // activation rows per B tile (3 of its 16 columns each)
+// TDPBF16PS), over the k-blocks of 32 in order, then its three rows are added in a fixed order; which other
+// rows, tiles or threads share the work changes nothing.
+constexpr int64_t kAmxRowsPerTile = 5;  // activation rows per A tile (3 of its 16 rows each)
+constexpr int64_t kAmxMaxATiles = 3;
+static_assert(kAmxRowsPerTile * kAmxMaxATiles >= kGemmMinRows - 1);
 
 // The LDTILECFG operand (palette 1): rows and bytes per row of each tile register.
 struct alignas(64) AmxTileConfig {
@@ -362,111 +369,126 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
-// The B tiles of all activation rows: [chunk of 5 rows][k-block of 32][16 pairs][16 columns][2] bf16,
-// 1 KiB per (chunk, k-block); columns past 3 x the chunk's rows are zero.
-struct AmxActivations {
-  std::vector<uint16_t> tiles;
-  int64_t chunks = 0, k_blocks = 0;
-  int64_t columns = 0;  // columns in use in the widest chunk (3 x min(m, 5))
-  const uint16_t* tile(int64_t chunk, int64_t kb) const {
-    return tiles.data() + (chunk * k_blocks + kb) * 16 * 16 * 2;
+// The three bf16 terms (hi, mid, lo) of 16 floats, stored as 16 bf16 each at out[0], out[32], out[64].
+// VCVTNEPS2BF16 rounds to nearest even (denormal inputs count as zero, as they do in the tile multiplies).
+__attribute__((target("avx512f,avx512bf16"))) inline void store_split3_bf16(__m512 v, uint16_t* out) {
+  __m512 rest = v;
+  for (int t = 0; t < 3; ++t) {
+    const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(rest));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * t), bits);
+    if (t < 2)
+      rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
   }
+}
+
+// The A tiles of all activation rows: [k-block][A tile][16 rows][32] bf16; row 3j + t of A tile c holds
+// term t of activation row 5c + j. Rows past the tile's activations are never loaded (the tile
+// configuration gives each A tile its own row count), so the buffer is not zeroed.
+struct AmxActivations {
+  std::unique_ptr<uint16_t[]> rows;
+  int64_t m = 0, tiles = 0, k_blocks = 0;
+  const uint16_t* tile(int64_t kb, int64_t c) const { return rows.get() + (kb * tiles + c) * 16 * 32; }
+  int64_t rows_in_tile(int64_t c) const { return std::min(kAmxRowsPerTile, m - c * kAmxRowsPerTile); }
 };
 
-AmxActivations prepare_amx_activations(const float* x, int64_t m, int64_t k_dim) {
+__attribute__((target("avx512f,avx512bf16"))) AmxActivations prepare_amx_activations(const float* x,
+                                                                                     int64_t m,
+                                                                                     int64_t k_dim) {
   AmxActivations a;
+  a.m = m;
+  a.tiles = (m + kAmxRowsPerTile - 1) / kAmxRowsPerTile;
   a.k_blocks = k_dim / 32;
-  a.chunks = (m + kAmxRowsPerTile - 1) / kAmxRowsPerTile;
-  a.columns = 3 * std::min(m, kAmxRowsPerTile);
-  a.tiles.assign(static_cast<size_t>(a.chunks * a.k_blocks * 16 * 16 * 2), 0);
+  a.rows = std::make_unique_for_overwrite<uint16_t[]>(static_cast<size_t>(a.k_blocks * a.tiles * 16 * 32));
   for (int64_t r = 0; r < m; ++r) {
-    const int64_t chunk = r / kAmxRowsPerTile, column = 3 * (r % kAmxRowsPerTile);
-    for (int64_t k = 0; k < k_dim; ++k) {
-      const float v = x[r * k_dim + k];
-      const uint16_t hi = f32_to_bf16(v);
-      const float rest = v - bf16_to_f32(hi);
-      const uint16_t mid = f32_to_bf16(rest);
-      const uint16_t lo = f32_to_bf16(rest - bf16_to_f32(mid));
-      uint16_t* pair_row = const_cast<uint16_t*>(a.tile(chunk, k / 32)) + (k % 32 / 2) * 32;
-      const int64_t e = k % 2;
-      pair_row[column * 2 + e] = hi;
-      pair_row[(column + 1) * 2 + e] = mid;
-      pair_row[(column + 2) * 2 + e] = lo;
+    const int64_t c = r / kAmxRowsPerTile, j = r % kAmxRowsPerTile;
+    for (int64_t kb = 0; kb < a.k_blocks; ++kb) {
+      uint16_t* out = const_cast<uint16_t*>(a.tile(kb, c)) + 3 * j * 32;
+      store_split3_bf16(_mm512_loadu_ps(x + r * k_dim + kb * 32), out);
+      store_split3_bf16(_mm512_loadu_ps(x + r * k_dim + kb * 32 + 16), out + 16);
     }
   }
   return a;
 }
 
-// Output features [o_begin, o_end) for all m rows: blocks of 16 weight rows (o_begin a multiple of 16;
-// only the last block may be shorter, in tiles configured with fewer rows, so no byte past the matrix is
-// read). Tiles: 0 C, 1 B, 2 A; 3 and 4 the C and A of a short last block.
-__attribute__((target("amx-tile,amx-bf16"))) void rows_amx(const WeightMatrix& w, const AmxActivations& xa,
-                                                           int64_t m, int64_t o_begin, int64_t o_end,
-                                                           float* y) {
-  const int64_t k_dim = w.cols, tail = (o_end - o_begin) % 16;
+// The tiles block_amx uses.
+__attribute__((target("amx-tile"))) void configure_amx_small_m(const AmxActivations& xa) {
   AmxTileConfig config;
-  const auto row_bytes = static_cast<uint16_t>(xa.columns * 4);
-  config.rows[0] = config.rows[1] = config.rows[2] = 16;
-  config.colsb[0] = config.colsb[1] = row_bytes;
-  config.colsb[2] = 64;
-  if (tail > 0) {
-    config.rows[3] = config.rows[4] = static_cast<uint8_t>(tail);
-    config.colsb[3] = row_bytes;
-    config.colsb[4] = 64;
+  config.rows[0] = 16;
+  config.colsb[0] = 64;
+  for (int64_t c = 0; c < xa.tiles; ++c) {  // A tile c and its C tile: its activation rows x 3
+    config.rows[1 + c] = config.rows[4 + c] = static_cast<uint8_t>(3 * xa.rows_in_tile(c));
+    config.colsb[1 + c] = config.colsb[4 + c] = 64;
   }
+  // GCC does not see LDTILECFG read its operand and dropped the stores above (at -O2, in a clone of this
+  // function): the configuration escapes to memory first.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
-  alignas(64) float c[16 * 16];
-  const auto* weights = static_cast<const uint16_t*>(w.data);
-  const long stride = static_cast<long>(k_dim * 2);
-  for (int64_t o = o_begin; o < o_end; o += 16) {
-    const uint16_t* block = weights + o * k_dim;
-    const bool full = o + 16 <= o_end;
-    for (int64_t chunk = 0; chunk < xa.chunks; ++chunk) {
-      if (full) {
-        _tile_zero(0);
-        for (int64_t kb = 0; kb < xa.k_blocks; ++kb) {
-          _tile_loadd(1, xa.tile(chunk, kb), 64);
-          _tile_loadd(2, block + kb * 32, stride);
-          _tile_dpbf16ps(0, 2, 1);
-        }
-        _tile_stored(0, c, 64);
-      } else {
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < xa.k_blocks; ++kb) {
-          _tile_loadd(1, xa.tile(chunk, kb), 64);
-          _tile_loadd(4, block + kb * 32, stride);
-          _tile_dpbf16ps(3, 4, 1);
-        }
-        _tile_stored(3, c, 64);
-      }
-      const int64_t rows_here = full ? 16 : tail;
-      const int64_t r0 = chunk * kAmxRowsPerTile, r_end = std::min(m, r0 + kAmxRowsPerTile);
-      for (int64_t i = 0; i < rows_here; ++i)
-        for (int64_t r = r0; r < r_end; ++r) {
-          const float* sums = c + i * 16 + 3 * (r - r0);  // hi, mid, lo
-          y[r * w.rows + o + i] = (sums[2] + sums[1]) + sums[0];
-        }
+}
+
+// One block of 16 output features (b) for all activation rows: tiles B (weights) 0, A 1..NT (one per A tile
+// of activations), C 4..3+NT. Stores the block's features in [o_begin, o_end) to y (c: scratch for the C
+// tiles).
+template <int NT>
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void block_amx(const WeightMatrix& w,
+                                                                           const AmxActivations& xa,
+                                                                           int64_t b, int64_t o_begin,
+                                                                           int64_t o_end, float* c,
+                                                                           float* y) {
+  const int64_t k_blocks = xa.k_blocks;
+  const uint32_t* block = w.amx_tiles + b * k_blocks * 256;
+  _tile_zero(4);
+  if constexpr (NT >= 2) _tile_zero(5);
+  if constexpr (NT >= 3) _tile_zero(6);
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    // The next block's tile of this k-block (1 KiB = 16 lines) into L2 (see kPrefetchBytes for why software
+    // prefetches). Into L1 the prefetches stalled on the fill buffers; prefetching the first block of a
+    // range as well, or two blocks ahead, measured slower (BENCHMARKS.md, session 13).
+    const char* next = reinterpret_cast<const char*>(block + (k_blocks + kb) * 256);
+    for (int line = 0; line < 1024; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+    _tile_loadd(0, block + kb * 256, 64);
+    _tile_loadd(1, xa.tile(kb, 0), 64);
+    _tile_dpbf16ps(4, 1, 0);
+    if constexpr (NT >= 2) {
+      _tile_loadd(2, xa.tile(kb, 1), 64);
+      _tile_dpbf16ps(5, 2, 0);
+    }
+    if constexpr (NT >= 3) {
+      _tile_loadd(3, xa.tile(kb, 2), 64);
+      _tile_dpbf16ps(6, 3, 0);
     }
   }
-  _tile_release();
-}
-
-// The AMX kernels serve bf16 weights in whole 32-wide k-blocks; the family runs the AVX-512 kernels on
-// any other weight.
-bool amx_serves(const WeightMatrix& w) { return w.type == WeightType::kBF16 && w.cols % 32 == 0; }
-
-void matmul_amx(const WeightMatrix& w, const float* x, int64_t m, float* y) {
-  const AmxActivations xa = prepare_amx_activations(x, m, w.cols);
-  const int64_t blocks = (w.rows + 15) / 16;
-  // Each thread takes one contiguous range of 16-row blocks (one tile configuration per thread and call).
-  const bool parallel = blocks > 1 && w.rows * w.cols >= (int64_t{1} << 15);
-#pragma omp parallel if (parallel)
-  {
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
-    if (b1 > b0) rows_amx(w, xa, m, b0 * 16, std::min(w.rows, b1 * 16), y);
+  _tile_stored(4, c, 64);
+  if constexpr (NT >= 2) _tile_stored(5, c + 256, 64);
+  if constexpr (NT >= 3) _tile_stored(6, c + 512, 64);
+  const int64_t lo = std::max<int64_t>(o_begin - b * 16, 0), hi = std::min<int64_t>(o_end - b * 16, 16);
+  const auto mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+  for (int t = 0; t < NT; ++t) {
+    const float* ct = c + t * 256;
+    for (int64_t j = 0; j < xa.rows_in_tile(t); ++j) {
+      const __m512 sum = _mm512_add_ps(
+          _mm512_add_ps(_mm512_load_ps(ct + (3 * j + 2) * 16), _mm512_load_ps(ct + (3 * j + 1) * 16)),
+          _mm512_load_ps(ct + 3 * j * 16));  // (lo + mid) + hi
+      _mm512_mask_storeu_ps(y + (t * kAmxRowsPerTile + j) * w.rows + b * 16, mask, sum);
+    }
   }
 }
+
+// Output features [o_begin, o_end) of all activation rows, from the blocks of 16 features that hold them
+// (a block is computed whole; only its features in the range are stored). NT: the A tiles in use.
+template <int NT>
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void rows_amx(const WeightMatrix& w,
+                                                                   const AmxActivations& xa, int64_t o_begin,
+                                                                   int64_t o_end, float* y) {
+  alignas(64) float c[NT * 256];
+  for (int64_t b = o_begin / 16; b * 16 < o_end; ++b) block_amx<NT>(w, xa, b, o_begin, o_end, c, y);
+}
+
+__attribute__((target("amx-tile"))) void release_amx_tiles() { _tile_release(); }
+
+// The AMX kernels serve bf16 weights in whole 32-wide k-blocks; small-M products also need the matrix's
+// tiles (pack_amx_tiles). The family runs the AVX-512 kernels on any other weight.
+bool amx_serves(const WeightMatrix& w) { return w.type == WeightType::kBF16 && w.cols % 32 == 0; }
+bool amx_small_m_serves(const WeightMatrix& w) { return amx_serves(w) && w.amx_tiles != nullptr; }
 
 // Prefill on AMX (M >= kGemmMinRows, bf16 weights): C = X W^T as tile products with the activations as
 // the A operand (16 rows x 32 k of bf16) and the weights as B. B must hold pairs (k = 2p, 2p+1) per column,
@@ -579,8 +601,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void gemm_amx_group(const W
                                                                          float* y) {
   const int64_t k_dim = w.cols, k_blocks = k_dim / 32;
   const int64_t blocks = (o_end - o_begin + 31) / 32 * 2;  // whole pairs of 16-row blocks
-  for (int64_t b = 0; b < blocks; ++b)
-    pack_amx_weight_block(w, o_begin + 16 * b, o_end, packed + b * k_blocks * 256);
+  if (w.amx_tiles != nullptr) {
+    packed =
+        const_cast<uint32_t*>(w.amx_tiles) + o_begin / 16 * k_blocks * 256;  // packed at load (read only)
+  } else {
+    for (int64_t b = 0; b < blocks; ++b)
+      pack_amx_weight_block(w, o_begin + 16 * b, o_end, packed + b * k_blocks * 256);
+  }
   alignas(64) float scratch[16 * 16];
   const long y_stride = static_cast<long>(w.rows * 4);
   // Stores C tile `tile` (rows r0.., columns c0..) into y, through the scratch tile where it reaches past
@@ -639,7 +666,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void gemm_amx_groups(const 
     config.colsb[i] = 64;
   }
   _tile_loadconfig(&config);
-  std::vector<uint32_t> packed(static_cast<size_t>(group_rows * w.cols / 2));
+  std::vector<uint32_t> packed(w.amx_tiles != nullptr ? 0 : static_cast<size_t>(group_rows * w.cols / 2));
   for (int64_t g = g_begin; g < g_end; ++g)
     gemm_amx_group(w, xa, m, g * group_rows, std::min(w.rows, (g + 1) * group_rows), packed.data(), y);
   _tile_release();
@@ -660,13 +687,15 @@ void matmul_gemm_amx(const WeightMatrix& w, const float* x, int64_t m, float* y)
   }
 }
 
-// AMX needs the CPU's tile units (CPUID.7.0:EDX bits 24 AMX-TILE and 22 AMX-BF16), an OS that saves tile
+// AMX needs the CPU's tile units (CPUID.7.0:EDX bits 24 AMX-TILE and 22 AMX-BF16; the small-M kernels also
+// convert with AVX512-BF16, CPUID.7.1:EAX bit 5, which every AMX CPU has), an OS that saves tile
 // state (XCR0 bits 17-18), and on Linux the process's request for it (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA, kernel 5.16+; refused under older kernels and some hypervisors).
 bool amx_usable() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   if (!(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) || !(eax & (1u << 5))) return false;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
   uint32_t xcr0_lo = 0, xcr0_hi = 0;
   __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
@@ -750,10 +779,9 @@ MatmulKernel detect_path() {
     }
     invalid_input("MTPX_MATMUL_KERNEL must be amx, avx512, avx2 or scalar, got '{}'", forced);
   }
-  // AMX only when asked for: on the 2-core Sapphire Rapids-class Xeon it measured it lost at one row on
-  // cache-resident models (the shipped model: 832 vs 1108 tok/s) and did not win on the 0.8B shape
-  // (BENCHMARKS.md, session 6).
-  for (MatmulKernel k : {MatmulKernel::kAvx512, MatmulKernel::kAvx2})
+  // AMX first: on weights packed into tiles at load, a verify window of 2-5 rows costs about one decode
+  // row, and one row as much as the AVX-512 kernels (BENCHMARKS.md, session 13).
+  for (MatmulKernel k : {MatmulKernel::kAmx, MatmulKernel::kAvx512, MatmulKernel::kAvx2})
     if (hardware_supports(k)) return k;
   return MatmulKernel::kScalar;
 }
@@ -913,20 +941,23 @@ struct Share {
   Share(int64_t n, int t, int p) : begin(n * t / p), end(n * (t + 1) / p) {}
 };
 
-// The small-M products of one or more matrices with the same input (equal cols and type, the kernels of
-// `set`) in one thread team. Threads take contiguous ranges of chunks of 16 output rows over the matrices
-// in turn (Share), so each streams one part of the weights; equal columns and type make every whole chunk
-// the same number of bytes, so the split balances the threads. prefix_rows > 0 (one matrix): each thread
-// takes its range of the chunks of rows [prefix_rows, rows), then its range of those of [0, prefix_rows).
-void small_m_products(const KernelSet& set, std::span<const MatmulTarget> targets, const float* x, int64_t m,
-                      int64_t prefix_rows = 0) {
+// A unit of work handed to a thread: output features [o0, o1) of one product.
+struct Chunk {
+  const MatmulTarget* target;
+  int64_t o0, o1;
+};
+
+// The small-M products of one or more matrices with the same input (equal cols and type) in one thread
+// team. Threads take contiguous ranges of chunks of 16 output rows over the matrices in turn (Share), so
+// each streams one part of the weights; equal columns and type make every whole chunk the same number of
+// bytes, so the split balances the threads. prefix_rows > 0 (one matrix): each thread takes its range of
+// the chunks of rows [prefix_rows, rows), then its range of those of [0, prefix_rows).
+// Per thread with chunks: setup(state) (state: a State of its own), run(chunk, state) for each chunk, then
+// finish(state).
+template <typename State, typename Setup, typename Run, typename Finish>
+void run_chunks(std::span<const MatmulTarget> targets, int64_t m, int64_t prefix_rows, Setup setup, Run run,
+                Finish finish) {
   const int64_t cols = targets[0].w->cols;
-  ActivationBuffer buffer;
-  const Activations xs = prepare_activations(x, m, cols, set.order, buffer);
-  struct Chunk {
-    const MatmulTarget* target;
-    int64_t o0, o1;
-  };
   // Chunks of the rows [prefix_rows, end) of each matrix, then (one matrix only) of rows [0, prefix_rows).
   std::vector<Chunk> chunks;
   int64_t rows = 0;
@@ -948,12 +979,66 @@ void small_m_products(const KernelSet& set, std::span<const MatmulTarget> target
     // that a product of the prefix alone gives it (matmul_prefix_last).
     const Share shares[] = {Share(suffix_chunks, t, p), Share(n - suffix_chunks, t, p)};
     const int64_t offsets[] = {0, suffix_chunks};
-    for (int part = 0; part < 2; ++part)
-      for (int64_t c = offsets[part] + shares[part].begin; c < offsets[part] + shares[part].end; ++c) {
-        const Chunk& chunk = chunks[static_cast<size_t>(c)];
-        rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
-      }
+    if (shares[0].end > shares[0].begin || shares[1].end > shares[1].begin) {
+      State state;
+      setup(state);
+      for (int part = 0; part < 2; ++part)
+        for (int64_t c = offsets[part] + shares[part].begin; c < offsets[part] + shares[part].end; ++c)
+          run(chunks[static_cast<size_t>(c)], state);
+      finish(state);
+    }
   }
+}
+
+void small_m_products(const KernelSet& set, std::span<const MatmulTarget> targets, const float* x, int64_t m,
+                      int64_t prefix_rows = 0) {
+  ActivationBuffer buffer;
+  const Activations xs = prepare_activations(x, m, targets[0].w->cols, set.order, buffer);
+  struct NoState {};
+  run_chunks<NoState>(
+      targets, m, prefix_rows, [](NoState&) {},
+      [&](const Chunk& chunk, NoState&) {
+        rows_of(set, *chunk.target->w, xs, x, m, chunk.o0, chunk.o1, chunk.target->y);
+      },
+      [](NoState&) {});
+}
+
+// The same on AMX tiles (every target amx_small_m_serves, equal cols): one tile configuration per thread.
+void amx_small_m_products(std::span<const MatmulTarget> targets, const float* x, int64_t m,
+                          int64_t prefix_rows = 0) {
+  using RowsAmx = void (*)(const WeightMatrix&, const AmxActivations&, int64_t, int64_t, float*);
+  constexpr RowsAmx kernels[] = {rows_amx<1>, rows_amx<2>, rows_amx<3>};
+  const RowsAmx kernel = kernels[(m + kAmxRowsPerTile - 1) / kAmxRowsPerTile - 1];
+  const int64_t cols = targets[0].w->cols;
+  // Each thread converts the activations itself (~60 ns for a row of 256): a tile load waits for its lines,
+  // and from a buffer another core had just written, each k-block's waited for a transfer from that core
+  // (0.7 us per product of the shipped model's shapes, against 0.06 us to convert).
+  struct ThreadState {
+    AmxActivations xa;
+    Chunk range{nullptr, 0, 0};  // a run of consecutive chunks of one matrix: one kernel call
+    void flush(RowsAmx kernel) {
+      if (range.target != nullptr) kernel(*range.target->w, xa, range.o0, range.o1, range.target->y);
+      range.target = nullptr;
+    }
+  };
+  run_chunks<ThreadState>(
+      targets, m, prefix_rows,
+      [&](ThreadState& state) {
+        state.xa = prepare_amx_activations(x, m, cols);
+        configure_amx_small_m(state.xa);
+      },
+      [&](const Chunk& chunk, ThreadState& state) {
+        if (state.range.target == chunk.target && state.range.o1 == chunk.o0) {
+          state.range.o1 = chunk.o1;
+          return;
+        }
+        state.flush(kernel);
+        state.range = chunk;
+      },
+      [&](ThreadState& state) {
+        state.flush(kernel);
+        release_amx_tiles();
+      });
 }
 
 // prefix_rows: see matmul_prefix_last (only the small-M kernels order their rows by it).
@@ -975,14 +1060,15 @@ void matmul_with(const WeightMatrix& w, const float* x, int64_t m, float* y, Mat
       matmul_gemm(w, x, m, y);
     return;
   }
+  const MatmulTarget target{&w, y};
   if (kernel == MatmulKernel::kAmx) {
-    if (amx_serves(w)) {
-      matmul_amx(w, x, m, y);
+    if (amx_small_m_serves(w)) {
+      amx_small_m_products(std::span<const MatmulTarget>(&target, 1), x, m,
+                           prefix_rows > 0 && prefix_rows < w.rows ? prefix_rows : 0);
       return;
     }
     kernel = MatmulKernel::kAvx512;
   }
-  const MatmulTarget target{&w, y};
   small_m_products(select_kernels(w.type, kernel), std::span<const MatmulTarget>(&target, 1), x, m,
                    prefix_rows > 0 && prefix_rows < w.rows ? prefix_rows : 0);
 }
@@ -993,8 +1079,17 @@ void matmul_shared_input(std::span<const MatmulTarget> targets, const float* x, 
   if (targets.empty() || m <= 0) return;
   const MatmulKernel kernel = path();
   const WeightMatrix& first = *targets[0].w;
-  // One team for all of them where every product takes the small-M kernels of one set (the AMX family's
-  // tiles and the affine kernels keep their own calls).
+  if (m < kGemmMinRows && kernel == MatmulKernel::kAmx && first.cols > 0) {
+    bool tiles = true;  // one team on AMX tiles when every matrix has them
+    for (const MatmulTarget& t : targets)
+      tiles = tiles && amx_small_m_serves(*t.w) && t.w->cols == first.cols;
+    if (tiles) {
+      amx_small_m_products(targets, x, m);
+      return;
+    }
+  }
+  // One team for all of them where every product takes the small-M kernels of one set (the affine kernels
+  // keep their own calls).
   bool shared = m < kGemmMinRows && kernel != MatmulKernel::kAmx && first.cols > 0;
   for (const MatmulTarget& t : targets)
     shared = shared && t.w->type == first.type && t.w->type != WeightType::kAffine && t.w->cols == first.cols;
@@ -1032,6 +1127,47 @@ void matmul_reference(const WeightMatrix& w, const float* x, int64_t m, float* y
         s += static_cast<double>(x[r * w.cols + k]) * load_scalar(w.data, w.type, o * w.cols + k);
       y[r * w.rows + o] = static_cast<float>(s);
     }
+}
+
+int64_t amx_tile_words(const WeightMatrix& w) {
+  if (!amx_serves(w)) return 0;
+  return (w.rows + 31) / 32 * 2 * (w.cols / 32) * 256;  // whole pairs of blocks, as the prefill reads them
+}
+
+void pack_amx_tiles(const WeightMatrix& w, uint32_t* out) {
+  if (!amx_serves(w)) fail(ErrorKind::kInternal, "pack_amx_tiles: the AMX kernels do not serve this matrix");
+  const int64_t blocks = (w.rows + 31) / 32 * 2, k_blocks = w.cols / 32;
+  const auto* weights = static_cast<const uint16_t*>(w.data);
+#pragma omp parallel for schedule(static) if (w.rows * w.cols >= (int64_t{1} << 20))
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      uint32_t* tile = out + (b * k_blocks + kb) * 256;
+      for (int64_t p = 0; p < 16; ++p)
+        for (int64_t n = 0; n < 16; ++n) {
+          const int64_t o = b * 16 + n;
+          const uint16_t* pair = weights + o * w.cols + kb * 32 + 2 * p;
+          tile[p * 16 + n] =
+              o < w.rows ? static_cast<uint32_t>(pair[0]) | static_cast<uint32_t>(pair[1]) << 16 : 0;
+        }
+    }
+}
+
+bool amx_small_m_path() { return path() == MatmulKernel::kAmx; }
+
+// Huge pages: a decode step streams every tile once, and on 4 KiB pages each page cost a TLB miss (the
+// shipped model's decode steps were 6.6% slower than the AVX-512 kernels' on the mapped files; on huge
+// pages they are as fast; BENCHMARKS.md, session 13).
+TileArena::TileArena(int64_t words) {
+  constexpr size_t kHugePage = size_t{2} << 20;
+  bytes_ = (static_cast<size_t>(words) * sizeof(uint32_t) + kHugePage - 1) / kHugePage * kHugePage;
+  void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) fail(ErrorKind::kInternal, "cannot allocate {} bytes for AMX weight tiles", bytes_);
+  ::madvise(p, bytes_, MADV_HUGEPAGE);  // a hint: 4 KiB pages work too
+  data_ = static_cast<uint32_t*>(p);
+}
+
+TileArena::~TileArena() {
+  if (data_ != nullptr) ::munmap(data_, bytes_);
 }
 
 void weight_row_to_f32(const WeightMatrix& w, int64_t row, float* out) {

@@ -3,9 +3,10 @@
 // Batch invariance (the property that makes greedy MTP lossless): for M < kGemmMinRows, y[m, o] is
 // computed by the same sequence of floating-point operations whatever M is and whichever rows share a
 // kernel call: the reduction over k runs in a fixed lane-blocked order into four vector accumulators per
-// (m, o), followed by a fixed sum of the four and a fixed horizontal sum; threads split the output
-// features, never the reduction. Decode (1 row) and speculative verify windows (K+1 <= 9 rows) are
-// therefore bit-identical row by row.
+// (m, o), followed by a fixed sum of the four and a fixed horizontal sum (on AMX CPUs, bf16 weights packed
+// into tiles: tile multiplies over the k-blocks in order, each C element from its own row and column);
+// threads split the output features, never the reduction. Decode (1 row) and speculative verify windows
+// (K+1 <= 9 rows) are therefore bit-identical row by row.
 // Prompt prefill (M >= kGemmMinRows) is compute-bound instead: bf16 weights on a CPU with AMX go through
 // tile products with the activations split into two bf16 terms (16 of their 24 bits; matmul.cpp bounds
 // the error), other weights are widened to float32 in blocks for OpenBLAS sgemm. Its rows agree with the
@@ -14,6 +15,7 @@
 // prefill on sgemm.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 
@@ -43,7 +45,35 @@ struct WeightMatrix {
   WeightType scale_type = WeightType::kBF16;
   const void* scales = nullptr;
   const void* biases = nullptr;
+  // bf16 only, optional: the same weights repacked into AMX tiles by pack_amx_tiles (owned by whoever made
+  // the matrix). The AMX kernels need them for small-M products; the other kernels read `data`.
+  const uint32_t* amx_tiles = nullptr;
 };
+
+// AMX tiles of a bf16 matrix with cols % 32 == 0: per block of 16 output rows (zero rows pad the matrix to a
+// whole pair of blocks), per k-block of 32 columns, a 1 KiB tile of 16 pair rows x 16 outputs, word (p, n) =
+// w[n, 2p] | w[n, 2p + 1] << 16. amx_tile_words: its size in 32-bit words (0 for a matrix the tiles do not
+// serve).
+int64_t amx_tile_words(const WeightMatrix& w);
+void pack_amx_tiles(const WeightMatrix& w, uint32_t* out);
+// Memory for AMX tiles: `words` 32-bit words, 64-byte aligned, on transparent huge pages where the OS
+// grants them (madvise), zeroed. Owned; freed with the arena.
+class TileArena {
+ public:
+  explicit TileArena(int64_t words);
+  ~TileArena();
+  TileArena(const TileArena&) = delete;
+  TileArena& operator=(const TileArena&) = delete;
+  uint32_t* data() const { return data_; }
+
+ private:
+  uint32_t* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Whether matmul() runs small-M products on AMX tiles (the kernel family in use is AMX): then models pack
+// their bf16 matrices at load.
+bool amx_small_m_path();
 
 // Bytes a full pass over the matrix reads (codes plus scales and biases for kAffine).
 int64_t weight_bytes(const WeightMatrix& w);
