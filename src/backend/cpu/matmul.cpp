@@ -1137,19 +1137,8 @@ int64_t amx_tile_words(const WeightMatrix& w) {
 void pack_amx_tiles(const WeightMatrix& w, uint32_t* out) {
   if (!amx_serves(w)) fail(ErrorKind::kInternal, "pack_amx_tiles: the AMX kernels do not serve this matrix");
   const int64_t blocks = (w.rows + 31) / 32 * 2, k_blocks = w.cols / 32;
-  const auto* weights = static_cast<const uint16_t*>(w.data);
 #pragma omp parallel for schedule(static) if (w.rows * w.cols >= (int64_t{1} << 20))
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t kb = 0; kb < k_blocks; ++kb) {
-      uint32_t* tile = out + (b * k_blocks + kb) * 256;
-      for (int64_t p = 0; p < 16; ++p)
-        for (int64_t n = 0; n < 16; ++n) {
-          const int64_t o = b * 16 + n;
-          const uint16_t* pair = weights + o * w.cols + kb * 32 + 2 * p;
-          tile[p * 16 + n] =
-              o < w.rows ? static_cast<uint32_t>(pair[0]) | static_cast<uint32_t>(pair[1]) << 16 : 0;
-        }
-    }
+  for (int64_t b = 0; b < blocks; ++b) pack_amx_weight_block(w, b * 16, w.rows, out + b * k_blocks * 256);
 }
 
 bool amx_small_m_path() { return path() == MatmulKernel::kAmx; }
