@@ -190,6 +190,69 @@ TEST(Cuda, ArgmaxPassesReturnTheArgmaxOfTheirLogits) {
   }
 }
 
+// Sampling with top-k on the GPU: passes bring back each row's survivors of top-k, and the sampler's
+// truncation of them is its truncation of the full row from a pass without the request, to the bit, for
+// the trunk's rows and the head's (a draft vocabulary's limit included). A k the GPU does not serve brings
+// the logits back.
+TEST(Cuda, TopKPassesReturnTheSurvivorsAndSampleAsTheFullRows) {
+  MTPX_GPU_MODEL(gpu, kDefaultModel);
+  const int64_t V = gpu->config().vocab_size, H = gpu->config().hidden_size;
+  const auto prompt = prompt_for(*gpu, 5);
+  const SamplerParams sampler{.temperature = 0.7, .top_k = 20, .top_p = 0.95};
+  for (int64_t limit : {V, int64_t{300}}) {
+    InferenceState a = gpu->new_state(8), b = gpu->new_state(8);
+    ForwardResult full, survivors;
+    gpu->forward(a, prompt, LogitRows::kAll, full);
+    gpu->forward(b, prompt, LogitRows::kAll, survivors, /*record_window=*/true, 0, 0, TopKRequest{limit, 20});
+    ASSERT_TRUE(survivors.candidates.present()) << "limit " << limit;
+    ASSERT_EQ(survivors.candidates.rows(), static_cast<int64_t>(prompt.size()));
+    EXPECT_TRUE(survivors.logits.empty());
+    for (size_t r = 0; r < prompt.size(); ++r) {
+      const TokenDistribution want =
+          truncate(std::span<const float>(&full.logits[r * static_cast<size_t>(V)], static_cast<size_t>(V)),
+                   sampler, limit);
+      const TokenDistribution got =
+          truncate_candidates(survivors.candidates.row_ids(static_cast<int64_t>(r)),
+                              survivors.candidates.row_logits(static_cast<int64_t>(r)), sampler);
+      EXPECT_EQ(got.ids, want.ids) << "row " << r << " limit " << limit;
+      EXPECT_EQ(got.probs, want.probs) << "row " << r << " limit " << limit;
+    }
+    MtpState ha = new_mtp_state(*gpu, 8), hb = new_mtp_state(*gpu, 8);
+    MtpResult head_full, head_survivors;
+    const std::vector<int32_t> next(prompt.begin() + 1, prompt.end());
+    const std::span<const float> hidden(full.hidden.data(), next.size() * static_cast<size_t>(H));
+    const int64_t draft_ids = V / 2;
+    mtp_forward(*gpu, ha, hidden, next, 0, LogitRows::kLast, head_full, draft_ids);
+    mtp_forward(*gpu, hb, hidden, next, 0, LogitRows::kLast, head_survivors, draft_ids, 0,
+                TopKRequest{std::min(limit, draft_ids), 20});
+    ASSERT_TRUE(head_survivors.candidates.present());
+    const TokenDistribution want = truncate(head_full.logits, sampler, std::min(limit, draft_ids));
+    const TokenDistribution got = truncate_candidates(head_survivors.candidates.row_ids(0),
+                                                      head_survivors.candidates.row_logits(0), sampler);
+    EXPECT_EQ(got.ids, want.ids) << "head, limit " << limit;
+    EXPECT_EQ(got.probs, want.probs) << "head, limit " << limit;
+  }
+  {  // a k past what the GPU serves: the logits come back
+    InferenceState s = gpu->new_state(8);
+    ForwardResult r;
+    gpu->forward(s, prompt, LogitRows::kLast, r, false, 0, 0, TopKRequest{V, 4000});
+    EXPECT_FALSE(r.candidates.present());
+    EXPECT_EQ(r.logits.size(), static_cast<size_t>(V));
+  }
+  // The survivors come back in the order the GPU's threads found them: sampled generations (plain and
+  // MTP, K = 2) must not depend on it, so the same seed gives the same tokens.
+  for (int64_t draft : {0, 2}) {
+    GenerateOptions o;
+    o.max_tokens = 48;
+    o.sampler = sampler;
+    o.seed = 5;
+    o.draft = draft;
+    const GenerateResult first = generate(*gpu, prompt, o), second = generate(*gpu, prompt, o);
+    EXPECT_GT(first.tokens.size(), 10u) << "draft " << draft;
+    EXPECT_EQ(first.tokens, second.tokens) << "draft " << draft;
+  }
+}
+
 // A draft vocabulary on the GPU: the head's lm_head pass over the first N rows only. Greedy output stays
 // the plain output, every draft is below N, and the head drafts as well as the CPU's from the same draft
 // vocabulary (acceptance within 0.1), so the shortened pass computes the right logits.

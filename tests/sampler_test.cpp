@@ -100,6 +100,46 @@ TEST(Sampler, TopKMatchesFullSort) {
   }
 }
 
+// A device sends back only the survivors of top-k for sampling (every id below the limit whose logit is >=
+// the k-th largest, ties included, in any order): truncate_candidates on them is truncate on the whole row,
+// to the bit, for every sampler. Logits on a coarse grid, so ties at the boundary are common; the candidates
+// are found here by sorting a copy, and shuffled.
+TEST(Sampler, TruncatingTheTopKCandidatesIsTruncatingTheRow) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> grid(-30, 30);
+  int checked = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int64_t n = 2 + trial * 53 % 700, limit = n - trial % 3;
+    std::vector<float> logits(static_cast<size_t>(n));
+    for (float& l : logits) l = static_cast<float>(grid(rng)) * 0.3f;
+    for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{20}, limit - 1}) {
+      if (k < 1 || k >= limit) continue;
+      std::vector<float> sorted(logits.begin(), logits.begin() + limit);
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      const float kth = sorted[static_cast<size_t>(k - 1)];
+      std::vector<int32_t> ids;
+      for (int32_t i = 0; i < limit; ++i)
+        if (logits[static_cast<size_t>(i)] >= kth) ids.push_back(i);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      std::vector<float> values;
+      for (int32_t id : ids) values.push_back(logits[static_cast<size_t>(id)]);
+      for (const SamplerParams& p :
+           {SamplerParams{.temperature = 0.7, .top_k = k, .top_p = 0.95},
+            SamplerParams{.temperature = 1.3, .top_k = k},
+            SamplerParams{.temperature = 1.0, .top_k = k, .top_p = 0.5, .min_p = 0.1},
+            SamplerParams{.temperature = 0.0, .top_k = k}}) {
+        const TokenDistribution full = truncate(logits, p, limit),
+                                from_candidates = truncate_candidates(ids, values, p);
+        ASSERT_EQ(full.ids, from_candidates.ids) << "n " << n << " k " << k << " T " << p.temperature;
+        ASSERT_EQ(full.probs, from_candidates.probs) << "n " << n << " k " << k << " T " << p.temperature;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 600);
+  EXPECT_THROW(truncate_candidates({}, {}, {.temperature = 1.0, .top_k = 5}), Error);
+}
+
 // The top-k scan skips blocks of logits that all lose to the heap's top: orders where the top changes
 // within a block (ascending, by 0.01 or by a hair), never (descending) or at random, block edges and tails
 // included.

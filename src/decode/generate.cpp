@@ -30,12 +30,18 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
 
   // Greedy: the pass's own argmax (on a device only that id is copied back), the one-hot truncate() gives.
   const int64_t argmax_limit = options.sampler.greedy() ? vocab_limit : 0;
+  // Sampling with top-k: on a device only each row's survivors of top-k come back (device.h).
+  const TopKRequest top_k =
+      options.sampler.greedy() ? TopKRequest{} : TopKRequest{vocab_limit, options.sampler.top_k};
   auto t0 = Clock::now();
-  model.forward(state, prompt, LogitRows::kLast, forward, false, argmax_limit);
+  model.forward(state, prompt, LogitRows::kLast, forward, false, argmax_limit, 0, top_k);
   auto next = [&]() {
-    return sample(argmax_limit > 0 ? one_hot(forward.argmax[0])
-                                   : truncate(forward.logits, options.sampler, vocab_limit),
-                  rng);
+    if (argmax_limit > 0) return sample(one_hot(forward.argmax[0]), rng);
+    if (forward.candidates.present())
+      return sample(truncate_candidates(forward.candidates.row_ids(0), forward.candidates.row_logits(0),
+                                        options.sampler),
+                    rng);
+    return sample(truncate(forward.logits, options.sampler, vocab_limit), rng);
   };
   int32_t token = next();
   result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -53,7 +59,8 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
       result.finish_reason = "cancelled";
       break;
     }
-    model.forward(state, std::span<const int32_t>(&token, 1), LogitRows::kLast, forward, false, argmax_limit);
+    model.forward(state, std::span<const int32_t>(&token, 1), LogitRows::kLast, forward, false, argmax_limit,
+                  0, top_k);
     ++result.stats.decode_steps;
     token = next();
   }

@@ -45,17 +45,62 @@ bool any_passes(const float* x, float threshold, Compare passes) {
 
 }  // namespace
 
-TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p, int64_t vocab_limit) {
+namespace {
+
+// What truncate() does once top-k has chosen the survivors: `ids` (any order) with logit(id) their logits.
+// Sorted highest logit first (ties: lower id first), then softmax(logit / T), top-p, min-p, renormalized.
+template <typename LogitOf>
+TokenDistribution truncate_survivors(std::vector<int32_t> ids, LogitOf logit, const SamplerParams& p) {
   TokenDistribution d;
+  std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
+    const float la = logit(a), lb = logit(b);
+    return la > lb || (la == lb && a < b);
+  });
+
+  // softmax(logits / T) over the survivors, in double for a stable sum.
+  const double inv_t = 1.0 / p.temperature;
+  const double max_logit = logit(ids[0]) * inv_t;
+  std::vector<double> w(ids.size());
+  double total = 0.0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    w[i] = std::exp(static_cast<double>(logit(ids[i])) * inv_t - max_logit);
+    total += w[i];
+  }
+  size_t keep = ids.size();
+  if (p.top_p < 1.0) {
+    // Keep token i while the mass strictly before it is < p (HF removes tokens whose ascending cumsum <=
+    // 1-p).
+    double before = 0.0;
+    for (size_t i = 0; i < keep; ++i) {
+      if (before / total >= p.top_p && i > 0) {
+        keep = i;
+        break;
+      }
+      before += w[i];
+    }
+  }
+  if (p.min_p > 0.0) {
+    const double floor = p.min_p * w[0];
+    size_t i = 1;
+    while (i < keep && w[i] >= floor) ++i;
+    keep = i;
+  }
+  double kept_total = 0.0;
+  for (size_t i = 0; i < keep; ++i) kept_total += w[i];
+  d.ids.assign(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(keep));
+  d.probs.resize(keep);
+  for (size_t i = 0; i < keep; ++i) d.probs[i] = static_cast<float>(w[i] / kept_total);
+  return d;
+}
+
+}  // namespace
+
+TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p, int64_t vocab_limit) {
   const int64_t n = std::min<int64_t>(vocab_limit, static_cast<int64_t>(logits.size()));
   if (n <= 0) invalid_input("no tokens to sample from");
   if (p.greedy()) return one_hot(argmax(logits, n));
-  // Candidate ids, highest logit first (ties: lower id first). With top-k only k (plus ties) are sorted.
+  // The survivors of top-k (all ids without it): with top-k only k (plus ties) are sorted.
   std::vector<int32_t> ids;
-  auto higher = [&](int32_t a, int32_t b) {
-    const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
-    return la > lb || (la == lb && a < b);
-  };
   if (p.top_k > 0 && p.top_k < n) {
     // The k-th largest logit (counting repeats) from one pass that keeps the k largest in a min-heap: most
     // logits lose one comparison with the heap's top. (An nth_element over all n ids took 15 us for the
@@ -91,42 +136,28 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
     ids.resize(static_cast<size_t>(n));
     std::iota(ids.begin(), ids.end(), 0);
   }
-  std::sort(ids.begin(), ids.end(), higher);
+  return truncate_survivors(
+      std::move(ids), [&](int32_t id) { return logits[static_cast<size_t>(id)]; }, p);
+}
 
-  // softmax(logits / T) over the survivors, in double for a stable sum.
-  const double inv_t = 1.0 / p.temperature;
-  const double max_logit = logits[static_cast<size_t>(ids[0])] * inv_t;
-  std::vector<double> w(ids.size());
-  double total = 0.0;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    w[i] = std::exp(static_cast<double>(logits[static_cast<size_t>(ids[i])]) * inv_t - max_logit);
-    total += w[i];
+TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<const float> logits,
+                                      const SamplerParams& p) {
+  if (ids.empty() || ids.size() != logits.size())
+    invalid_input("truncate_candidates: {} ids with {} logits", ids.size(), logits.size());
+  if (p.greedy()) {
+    size_t best = 0;
+    for (size_t i = 1; i < ids.size(); ++i)
+      if (logits[i] > logits[best] || (logits[i] == logits[best] && ids[i] < ids[best])) best = i;
+    return one_hot(ids[best]);
   }
-  size_t keep = ids.size();
-  if (p.top_p < 1.0) {
-    // Keep token i while the mass strictly before it is < p (HF removes tokens whose ascending cumsum <=
-    // 1-p).
-    double before = 0.0;
-    for (size_t i = 0; i < keep; ++i) {
-      if (before / total >= p.top_p && i > 0) {
-        keep = i;
-        break;
-      }
-      before += w[i];
-    }
-  }
-  if (p.min_p > 0.0) {
-    const double floor = p.min_p * w[0];
-    size_t i = 1;
-    while (i < keep && w[i] >= floor) ++i;
-    keep = i;
-  }
-  double kept_total = 0.0;
-  for (size_t i = 0; i < keep; ++i) kept_total += w[i];
-  d.ids.assign(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(keep));
-  d.probs.resize(keep);
-  for (size_t i = 0; i < keep; ++i) d.probs[i] = static_cast<float>(w[i] / kept_total);
-  return d;
+  // logit(id) by the candidate's position: ids are unique, so sort positions by id once.
+  std::vector<std::pair<int32_t, float>> by_id(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) by_id[i] = {ids[i], logits[i]};
+  std::sort(by_id.begin(), by_id.end());
+  auto logit = [&](int32_t id) {
+    return std::lower_bound(by_id.begin(), by_id.end(), std::pair<int32_t, float>{id, -INFINITY})->second;
+  };
+  return truncate_survivors(std::vector<int32_t>(ids.begin(), ids.end()), logit, p);
 }
 
 int32_t sample(const TokenDistribution& d, Rng& rng) {

@@ -42,6 +42,12 @@ struct TokenDistribution {
 // Only ids < vocab_limit are eligible (embedding rows past the tokenizer's vocabulary are padding).
 TokenDistribution truncate(std::span<const float> logits, const SamplerParams& params, int64_t vocab_limit);
 
+// truncate() from the survivors of its top-k alone: `ids` are every id < vocab_limit whose logit is >= the
+// top_k-th largest of those (ties included), `logits` theirs. The result is truncate()'s on the full row
+// (0 < top_k < vocab_limit): what a device sends back for sampling instead of the whole row (device.h).
+TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<const float> logits,
+                                      const SamplerParams& params);
+
 // The largest logit's id among ids < vocab_limit (lowest id on ties).
 int32_t argmax(std::span<const float> logits, int64_t vocab_limit);
 

@@ -72,9 +72,9 @@ class CudaSequence : public DeviceSequence {
   Buffer pos{sizeof(int32_t)};
   std::vector<DeviceKv> kv;        // per layer (empty buffers for DeltaNet layers)
   std::vector<DeviceDelta> delta;  // per layer (empty for attention layers)
-  // Key: rows T, logit rows, record_window, logit ids, argmax limit. One set per sequence: the graphs hold
-  // its buffers.
-  std::map<std::tuple<int64_t, LogitRows, bool, int64_t, int64_t>, CapturedPass> graphs;
+  // Key: rows T, logit rows, record_window, logit ids, argmax limit, top-k limit and k (served ones). One
+  // set per sequence: the graphs hold its buffers.
+  std::map<std::tuple<int64_t, LogitRows, bool, int64_t, int64_t, int64_t, int64_t>, CapturedPass> graphs;
 };
 
 class CudaExecutor final : public DeviceExecutor {
@@ -86,13 +86,14 @@ class CudaExecutor final : public DeviceExecutor {
   std::unique_ptr<DeviceSequence> new_sequence(int64_t capacity) const override;
   std::unique_ptr<DeviceSequence> new_mtp_sequence(int64_t capacity) const override;
   void forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens, LogitRows rows,
-               bool record_window, int64_t argmax_limit, std::vector<float>& hidden,
-               std::vector<float>& logits, std::vector<int32_t>& argmax) const override;
+               bool record_window, int64_t argmax_limit, TopKRequest top_k, std::vector<float>& hidden,
+               std::vector<float>& logits, std::vector<int32_t>& argmax,
+               LogitCandidates& candidates) const override;
   void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const override;
   void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden, std::span<const int32_t> tokens,
-                   int64_t p0, LogitRows rows, int64_t logit_ids, int64_t argmax_limit,
-                   std::vector<float>& hidden_out, std::vector<float>& logits,
-                   std::vector<int32_t>& argmax) const override;
+                   int64_t p0, LogitRows rows, int64_t logit_ids, int64_t argmax_limit, TopKRequest top_k,
+                   std::vector<float>& hidden_out, std::vector<float>& logits, std::vector<int32_t>& argmax,
+                   LogitCandidates& candidates) const override;
 
  private:
   // Scratch activations for passes of up to `capacity` rows.
@@ -115,16 +116,26 @@ class CudaExecutor final : public DeviceExecutor {
     cuda::matmul(w, x, m, y, accumulate, workspace());
   }
   // `vocab`: logits of the first `vocab` ids (all of them but for an MTP draft vocabulary); argmax_limit
-  // > 0: each row's argmax over ids < min(vocab, argmax_limit) too, and copy_out copies only those.
+  // > 0: each row's argmax over ids < min(vocab, argmax_limit) too, and copy_out copies only those;
+  // top_k (served: see served()): each row's survivors of top-k, and copy_out copies those.
   void final_norm_and_logits(int64_t t_count, LogitRows rows, const float* norm, int64_t vocab,
-                             int64_t argmax_limit) const;
-  void copy_out(int64_t t_count, LogitRows rows, int64_t vocab, int64_t argmax_limit,
-                std::vector<float>& hidden, std::vector<float>& logits, std::vector<int32_t>& argmax) const;
+                             int64_t argmax_limit, TopKRequest top_k) const;
+  void copy_out(int64_t t_count, LogitRows rows, int64_t vocab, int64_t argmax_limit, TopKRequest top_k,
+                std::vector<float>& hidden, std::vector<float>& logits, std::vector<int32_t>& argmax,
+                LogitCandidates& candidates) const;
+  // The top-k request this pass serves over its `vocab` logits ({} for none: the logits are copied): k up
+  // to kMaxTopK, below the ids it covers, and not with an argmax.
+  static TopKRequest served(TopKRequest top_k, int64_t vocab, int64_t argmax_limit) {
+    const TopKRequest r{std::min(top_k.limit, vocab), top_k.k};
+    return argmax_limit == 0 && r.active() && r.k <= kMaxTopK ? r : TopKRequest{};
+  }
+  static constexpr int64_t kMaxTopK = 256;
+  static constexpr int64_t kCandidateCap = 1024;  // survivors held per row (ties past the k-th included)
   // Runs `body` (kernels only) on the stream; passes short enough for the row kernels are captured into a
   // CUDA graph the first time and replayed after (one launch instead of hundreds).
   template <typename Body>
   void run_pass(CudaSequence& seq, int64_t t_count, LogitRows rows, bool record, int64_t vocab,
-                int64_t argmax_limit, Body&& body) const;
+                int64_t argmax_limit, TopKRequest top_k, Body&& body) const;
   void set_inputs(CudaSequence& seq, int64_t p0, std::span<const int32_t> tokens) const;
 
   ModelConfig config_;
@@ -152,7 +163,8 @@ class CudaExecutor final : public DeviceExecutor {
   mutable int64_t scratch_generation_ = 0;
   bool use_graphs_ = true;
   mutable Buffer logits_;
-  mutable Buffer argmax_;               // int32 per logit row (greedy passes)
+  mutable Buffer argmax_;                                               // int32 per logit row (greedy passes)
+  mutable Buffer candidate_ids_, candidate_values_, candidate_counts_;  // [rows, kCandidateCap], [rows]
   mutable cuda::PinnedBuffer staging_;  // host side of the result copies  // [rows, V] of the last pass
                                         // (grown on demand: only kAll passes need > 1 row)
 };
@@ -199,6 +211,9 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
   ensure_scratch(cuda::kGemmMinRows);
   logits_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * c.vocab_size) * sizeof(float));
   argmax_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows) * sizeof(int32_t));
+  candidate_ids_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * kCandidateCap) * sizeof(int32_t));
+  candidate_values_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * kCandidateCap) * sizeof(float));
+  candidate_counts_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows) * sizeof(int32_t));
   note_device_usage();
   // MTPX_CUDA_GRAPHS=0 runs every pass launch by launch (for debugging and for measuring what graphs save).
   if (const char* g = std::getenv("MTPX_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
@@ -413,7 +428,7 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
 
 // hidden = final norm of x; logits for the rows asked for (kernels only: may be captured).
 void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float* norm, int64_t V,
-                                         int64_t argmax_limit) const {
+                                         int64_t argmax_limit, TopKRequest top_k) const {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size;
   const Scratch& s = scratch_;
@@ -428,6 +443,9 @@ void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float*
     if (static_cast<size_t>(n_rows) * sizeof(int32_t) > argmax_.bytes()) {  // likewise
       stream_.synchronize();
       argmax_ = Buffer(static_cast<size_t>(n_rows) * sizeof(int32_t));
+      candidate_ids_ = Buffer(static_cast<size_t>(n_rows * kCandidateCap) * sizeof(int32_t));
+      candidate_values_ = Buffer(static_cast<size_t>(n_rows * kCandidateCap) * sizeof(float));
+      candidate_counts_ = Buffer(static_cast<size_t>(n_rows) * sizeof(int32_t));
     }
     cuda::Matrix lm_head = lm_head_;  // the first V rows (a draft vocabulary's prefix, or all of them)
     lm_head.rows = V;
@@ -435,40 +453,92 @@ void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float*
     if (argmax_limit > 0)
       cuda::argmax_rows(logits_.as<float>(), n_rows, V, std::min(argmax_limit, V), argmax_.as<int32_t>(),
                         stream_.handle());
+    if (const TopKRequest k = served(top_k, V, argmax_limit); k.active())
+      cuda::topk_candidates(logits_.as<float>(), n_rows, V, k.limit, k.k, kCandidateCap,
+                            candidate_ids_.as<int32_t>(), candidate_values_.as<float>(),
+                            candidate_counts_.as<int32_t>(), stream_.handle());
   }
 }
 
-void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax_limit,
+void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax_limit, TopKRequest top_k,
                             std::vector<float>& hidden, std::vector<float>& logits,
-                            std::vector<int32_t>& argmax) const {
+                            std::vector<int32_t>& argmax, LogitCandidates& candidates) const {
   const int64_t H = config_.hidden_size;
   const int64_t n_rows = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
   hidden.resize(static_cast<size_t>(T * H));
-  // Greedy passes bring back one id per row instead of V floats (1 MB per row at Qwen's vocabulary).
+  candidates = {};
+  // Greedy passes bring back one id per row instead of V floats (1 MB per row at Qwen's vocabulary), and
+  // sampling with top-k each row's survivors (kCandidateCap of each per row, 8 KiB).
   const bool ids_only = argmax_limit > 0;
-  logits.resize(ids_only ? 0 : static_cast<size_t>(n_rows * V));
+  const bool survivors = n_rows > 0 && served(top_k, V, argmax_limit).active();
+  logits.resize(ids_only || survivors ? 0 : static_cast<size_t>(n_rows * V));
   argmax.resize(ids_only ? static_cast<size_t>(n_rows) : 0);
   // Through page-locked staging: a pageable copy is staged by the driver in small pieces, far slower.
   const size_t hidden_bytes = hidden.size() * sizeof(float);
-  const size_t out_bytes = ids_only ? argmax.size() * sizeof(int32_t) : logits.size() * sizeof(float);
+  const size_t slots = static_cast<size_t>(n_rows * kCandidateCap);
+  const size_t out_bytes =
+      ids_only    ? argmax.size() * sizeof(int32_t)
+      : survivors ? static_cast<size_t>(n_rows) * sizeof(int32_t) + slots * (sizeof(int32_t) + sizeof(float))
+                  : logits.size() * sizeof(float);
   if (staging_.bytes() < hidden_bytes + out_bytes) staging_ = cuda::PinnedBuffer(hidden_bytes + out_bytes);
   auto* host = static_cast<char*>(staging_.data());
   stream_.to_host(host, scratch_.hidden.data(), hidden_bytes);
-  if (n_rows > 0) stream_.to_host(host + hidden_bytes, ids_only ? argmax_.data() : logits_.data(), out_bytes);
+  char* out = host + hidden_bytes;
+  if (n_rows > 0) {
+    if (survivors) {
+      stream_.to_host(out, candidate_counts_.data(), static_cast<size_t>(n_rows) * sizeof(int32_t));
+      stream_.to_host(out + n_rows * sizeof(int32_t), candidate_ids_.data(), slots * sizeof(int32_t));
+      stream_.to_host(out + n_rows * sizeof(int32_t) + slots * sizeof(int32_t), candidate_values_.data(),
+                      slots * sizeof(float));
+    } else {
+      stream_.to_host(out, ids_only ? argmax_.data() : logits_.data(), out_bytes);
+    }
+  }
   stream_.synchronize();
   std::memcpy(hidden.data(), host, hidden_bytes);
-  if (n_rows > 0)
-    std::memcpy(ids_only ? static_cast<void*>(argmax.data()) : logits.data(), host + hidden_bytes, out_bytes);
+  if (n_rows == 0) return;
+  if (!survivors) {
+    std::memcpy(ids_only ? static_cast<void*>(argmax.data()) : logits.data(), out, out_bytes);
+    return;
+  }
+  std::vector<int32_t> counts(static_cast<size_t>(n_rows));
+  std::memcpy(counts.data(), out, counts.size() * sizeof(int32_t));
+  if (std::any_of(counts.begin(), counts.end(), [](int32_t c) { return c > kCandidateCap; })) {
+    // More tied survivors than a row holds: the rows' logits after all (they are still on the device).
+    logits.resize(static_cast<size_t>(n_rows * V));
+    if (staging_.bytes() < logits.size() * sizeof(float))
+      staging_ = cuda::PinnedBuffer(logits.size() * sizeof(float));
+    stream_.to_host(staging_.data(), logits_.data(), logits.size() * sizeof(float));
+    stream_.synchronize();
+    std::memcpy(logits.data(), staging_.data(), logits.size() * sizeof(float));
+    return;
+  }
+  const auto* ids = reinterpret_cast<const int32_t*>(out + n_rows * sizeof(int32_t));
+  const auto* values =
+      reinterpret_cast<const float*>(out + n_rows * sizeof(int32_t) + slots * sizeof(int32_t));
+  if (std::any_of(counts.begin(), counts.end(), [](int32_t c) { return c < 0; })) {
+    candidates.offsets = {0, -1};  // NaN or Inf in a row: the caller reports it
+    return;
+  }
+  candidates.offsets.assign(1, 0);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int32_t c = counts[static_cast<size_t>(r)];
+    candidates.ids.insert(candidates.ids.end(), ids + r * kCandidateCap, ids + r * kCandidateCap + c);
+    candidates.logits.insert(candidates.logits.end(), values + r * kCandidateCap,
+                             values + r * kCandidateCap + c);
+    candidates.offsets.push_back(static_cast<int64_t>(candidates.ids.size()));
+  }
 }
 
 template <typename Body>
 void CudaExecutor::run_pass(CudaSequence& seq, int64_t T, LogitRows rows, bool record, int64_t vocab,
-                            int64_t argmax_limit, Body&& body) const {
+                            int64_t argmax_limit, TopKRequest top_k, Body&& body) const {
   if (!use_graphs_ || T >= cuda::kGemmMinRows) {
     body();
     return;
   }
-  CapturedPass& pass = seq.graphs[{T, rows, record, vocab, argmax_limit}];
+  const TopKRequest k = served(top_k, vocab, argmax_limit);
+  CapturedPass& pass = seq.graphs[{T, rows, record, vocab, argmax_limit, k.limit, k.k}];
   if (pass.exec == nullptr || pass.generation != scratch_generation_) {
     cuda::Stream::destroy_graph(pass.exec);
     pass.exec = nullptr;
@@ -486,9 +556,9 @@ void CudaExecutor::run_pass(CudaSequence& seq, int64_t T, LogitRows rows, bool r
 }
 
 void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens,
-                           LogitRows rows, bool record_window, int64_t argmax_limit,
+                           LogitRows rows, bool record_window, int64_t argmax_limit, TopKRequest top_k,
                            std::vector<float>& hidden, std::vector<float>& logits,
-                           std::vector<int32_t>& argmax) const {
+                           std::vector<int32_t>& argmax, LogitCandidates& candidates) const {
   std::lock_guard lock(mutex_);
   auto& seq = static_cast<CudaSequence&>(sequence);
   const int64_t T = static_cast<int64_t>(tokens.size());
@@ -496,14 +566,14 @@ void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const
     invalid_input("a recorded (rollback) window holds at most {} tokens, got {}", kMaxWindow, T);
   set_inputs(seq, p0, tokens);
   const int64_t V = config_.vocab_size;
-  run_pass(seq, T, rows, record_window, V, argmax_limit, [&] {
+  run_pass(seq, T, rows, record_window, V, argmax_limit, top_k, [&] {
     cuda::embed_rows(embed_tokens_, scratch_.tokens.as<int32_t>(), T, scratch_.x.as<float>(),
                      stream_.handle());
     for (size_t li = 0; li < layers_.size(); ++li)
       layer_forward(layers_[li], seq, static_cast<int64_t>(li), &seq.kv[li], T, record_window);
-    final_norm_and_logits(T, rows, final_norm_, V, argmax_limit);
+    final_norm_and_logits(T, rows, final_norm_, V, argmax_limit, top_k);
   });
-  copy_out(T, rows, V, argmax_limit, hidden, logits, argmax);
+  copy_out(T, rows, V, argmax_limit, top_k, hidden, logits, argmax, candidates);
 }
 
 void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const {
@@ -528,8 +598,9 @@ void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int
 
 void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
                                std::span<const int32_t> tokens, int64_t p0, LogitRows rows, int64_t logit_ids,
-                               int64_t argmax_limit, std::vector<float>& hidden_out,
-                               std::vector<float>& logits, std::vector<int32_t>& argmax) const {
+                               int64_t argmax_limit, TopKRequest top_k, std::vector<float>& hidden_out,
+                               std::vector<float>& logits, std::vector<int32_t>& argmax,
+                               LogitCandidates& candidates) const {
   if (!head_) invalid_input("the model has no MTP head");
   std::lock_guard lock(mutex_);
   auto& seq = static_cast<CudaSequence&>(sequence);
@@ -542,7 +613,7 @@ void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> 
   const Scratch& s = scratch_;
   // u = fc([norm_e(embed(x)) ; norm_h(h)])   (embedding first, hidden second: spec §6.1)
   stream_.to_device(s.hidden.data(), hidden.data(), hidden.size_bytes());
-  run_pass(seq, T, rows, false, V, argmax_limit, [&] {
+  run_pass(seq, T, rows, false, V, argmax_limit, top_k, [&] {
     cuda::embed_rows(embed_tokens_, s.tokens.as<int32_t>(), T, s.normed.as<float>(), st);
     cuda::rms_norm_rows(s.normed.as<float>(), H, head_->pre_fc_norm_embedding, eps, T, H,
                         s.joined.as<float>(), 2 * H, st);
@@ -550,9 +621,9 @@ void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> 
                         s.joined.as<float>() + H, 2 * H, st);
     mm(head_->fc, s.joined.as<float>(), T, s.x.as<float>());
     layer_forward(head_->layer, seq, -1, &seq.kv[0], T, false);
-    final_norm_and_logits(T, rows, head_->norm, V, argmax_limit);
+    final_norm_and_logits(T, rows, head_->norm, V, argmax_limit, top_k);
   });
-  copy_out(T, rows, V, argmax_limit, hidden_out, logits, argmax);
+  copy_out(T, rows, V, argmax_limit, top_k, hidden_out, logits, argmax, candidates);
 }
 
 }  // namespace

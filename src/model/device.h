@@ -18,6 +18,33 @@ namespace mtpx {
 class Model;
 struct ForwardResult;
 
+// Sampling with top-k on a device: instead of [rows, V] logits, each row's survivors of top-k, every id <
+// limit whose logit is >= the k-th largest of those (ties included), with its logit. The sampler's
+// truncate_candidates() turns them into exactly what truncate() makes of the whole row, so the V floats
+// per row (1 MB at Qwen's vocabulary) stay on the device.
+struct TopKRequest {
+  int64_t limit = 0, k = 0;
+  bool active() const { return limit > 0 && k > 0 && k < limit; }
+};
+
+// Per row r, ids / logits [offsets[r], offsets[r + 1]) (any order). Empty when not asked for, or when a
+// device sent the full logits instead (a k it does not serve, or more tied survivors than it holds).
+struct LogitCandidates {
+  std::vector<int64_t> offsets;
+  std::vector<int32_t> ids;
+  std::vector<float> logits;
+  bool present() const { return !offsets.empty(); }
+  int64_t rows() const { return present() ? static_cast<int64_t>(offsets.size()) - 1 : 0; }
+  std::span<const int32_t> row_ids(int64_t r) const {
+    return {ids.data() + offsets[static_cast<size_t>(r)],
+            static_cast<size_t>(offsets[static_cast<size_t>(r) + 1] - offsets[static_cast<size_t>(r)])};
+  }
+  std::span<const float> row_logits(int64_t r) const {
+    return {logits.data() + offsets[static_cast<size_t>(r)],
+            static_cast<size_t>(offsets[static_cast<size_t>(r) + 1] - offsets[static_cast<size_t>(r)])};
+  }
+};
+
 class DeviceExecutor {
  public:
   virtual ~DeviceExecutor() = default;
@@ -35,17 +62,21 @@ class DeviceExecutor {
   // As Model::forward, at positions p0.. (validated by the caller). `record_window` keeps what
   // rollback needs.
   // argmax_limit > 0: only each logit row's argmax over ids < argmax_limit is copied back (-1 for a row
-  // holding NaN or Inf), `logits` is left empty.
+  // holding NaN or Inf), `logits` is left empty. top_k.active(): each row's survivors of top-k instead of
+  // the logits where the device serves that k (candidates.present(); a row holding NaN or Inf gets
+  // offsets[r + 1] = -1), else the logits.
   virtual void forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens, LogitRows rows,
-                       bool record_window, int64_t argmax_limit, std::vector<float>& hidden,
-                       std::vector<float>& logits, std::vector<int32_t>& argmax) const = 0;
+                       bool record_window, int64_t argmax_limit, TopKRequest top_k,
+                       std::vector<float>& hidden, std::vector<float>& logits, std::vector<int32_t>& argmax,
+                       LogitCandidates& candidates) const = 0;
   // Cuts the last recorded window (of window_tokens) back to its first `keep` tokens.
   virtual void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const = 0;
   // As mtp_forward (model/mtp_head.h): logits of ids < logit_ids only (0: all), from that many lm_head rows.
   virtual void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
                            std::span<const int32_t> tokens, int64_t p0, LogitRows rows, int64_t logit_ids,
-                           int64_t argmax_limit, std::vector<float>& hidden_out, std::vector<float>& logits,
-                           std::vector<int32_t>& argmax) const = 0;
+                           int64_t argmax_limit, TopKRequest top_k, std::vector<float>& hidden_out,
+                           std::vector<float>& logits, std::vector<int32_t>& argmax,
+                           LogitCandidates& candidates) const = 0;
 };
 
 // The CUDA executor for `model` (weights uploaded now). Throws mtpx::Error (kUnsupported) when mtpx was

@@ -23,7 +23,7 @@ MtpState new_mtp_state(const Model& model, int64_t capacity) {
 
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
-                 int64_t logit_ids, int64_t argmax_limit) {
+                 int64_t logit_ids, int64_t argmax_limit, TopKRequest top_k) {
   const MtpWeights* head = model.mtp();
   if (head == nullptr) invalid_input("the model has no MTP head: {}", model.mtp_status().detail);
   const ModelConfig& c = model.config();
@@ -36,14 +36,17 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   if (const DeviceExecutor* e = model.executor()) {
     if (state.input_statistics() != nullptr) invalid_input("input statistics are collected on the CPU only");
     if (state.device() == nullptr) invalid_input("mtp_forward: a host MTP state with a device model");
-    e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, argmax_limit, result.hidden,
-                   result.logits, result.argmax);
+    e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, argmax_limit, top_k, result.hidden,
+                   result.logits, result.argmax, result.candidates);
     if (rows == LogitRows::kLast) result.hidden.erase(result.hidden.begin(), result.hidden.end() - H);
-    for (int32_t id : result.argmax)
-      if (id < 0)
-        model.fail_non_finite(fmt::format("in the MTP head's logits at positions {}..{}", p0, p0 + T - 1));
+    bool non_finite = false;
+    for (int32_t id : result.argmax) non_finite |= id < 0;
+    for (int64_t end : result.candidates.offsets) non_finite |= end < 0;
+    if (non_finite)
+      model.fail_non_finite(fmt::format("in the MTP head's logits at positions {}..{}", p0, p0 + T - 1));
     return;
   }
+  result.candidates = {};  // the CPU returns the logits
   const float eps = static_cast<float>(c.rms_norm_eps);
 
   // u = fc([norm_e(embed(x)) ; norm_h(h)])   (embedding first, hidden second: spec §6.1)

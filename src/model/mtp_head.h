@@ -40,14 +40,16 @@ struct MtpResult {
                                 // (fed back as the hidden of a chained draft step)
   std::vector<float> logits;    // [rows, V] (empty on a device when argmax was asked for)
   std::vector<int32_t> argmax;  // [rows] with argmax_limit > 0, as ForwardResult::argmax
+  LogitCandidates candidates;   // as ForwardResult::candidates
 };
 
 // hidden: [T, H] trunk (or chained head) hiddens; tokens: [T] the tokens at positions p0+1 .. p0+T;
 // rows p0 .. p0+T-1 of the head's KV cache are (over)written. Requires model.mtp().
 // logit_ids > 0 (a draft vocabulary): the logits of ids < logit_ids only, [rows, logit_ids], from that
-// many rows of the lm_head. argmax_limit > 0: as Model::forward's (over ids < min(logit_ids, limit)).
+// many rows of the lm_head. argmax_limit > 0 and top_k: as Model::forward's (over ids < min(logit_ids,
+// limit)).
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
-                 int64_t logit_ids = 0, int64_t argmax_limit = 0);
+                 int64_t logit_ids = 0, int64_t argmax_limit = 0, TopKRequest top_k = {});
 
 }  // namespace mtpx

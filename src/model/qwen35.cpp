@@ -129,8 +129,8 @@ void Model::use_device(const std::string& device) {
 }
 
 void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows,
-                    ForwardResult& result, bool record_window, int64_t argmax_limit,
-                    int64_t head_logit_ids) const {
+                    ForwardResult& result, bool record_window, int64_t argmax_limit, int64_t head_logit_ids,
+                    TopKRequest top_k) const {
   const ModelConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hidden_size;
@@ -146,14 +146,17 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
     invalid_input("forward: the state was made for another device than the model's");
   if (executor_) {
     if (state.input_statistics() != nullptr) invalid_input("input statistics are collected on the CPU only");
-    executor_->forward(*state.device(), p0, tokens, rows, record_window, argmax_limit, result.hidden,
-                       result.logits, result.argmax);
-    for (int32_t id : result.argmax)
-      if (id < 0) fail_non_finite(fmt::format("logits at positions {}..{}", p0, p0 + T - 1));
+    executor_->forward(*state.device(), p0, tokens, rows, record_window, argmax_limit, top_k, result.hidden,
+                       result.logits, result.argmax, result.candidates);
+    bool non_finite = false;
+    for (int32_t id : result.argmax) non_finite |= id < 0;
+    for (int64_t end : result.candidates.offsets) non_finite |= end < 0;
+    if (non_finite) fail_non_finite(fmt::format("logits at positions {}..{}", p0, p0 + T - 1));
     if (record_window) state.set_window(p0, T);
     state.advance(T);
     return;
   }
+  result.candidates = {};  // the CPU returns the logits
   // x: the residual stream [T, H].
   std::vector<float> x(static_cast<size_t>(T * H));
   for (int64_t t = 0; t < T; ++t)

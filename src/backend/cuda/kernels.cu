@@ -734,6 +734,64 @@ __global__ void argmax_kernel(const float* __restrict__ logits, int64_t vocab, i
   if (threadIdx.x == 0) out[blockIdx.x] = non_finite ? -1 : best_i[0] == 0x7fffffff ? 0 : best_i[0];
 }
 
+// An unsigned key in the order of the floats (-0 and +0 equal, as the host's comparisons have them).
+__device__ inline uint32_t order_key(float v) {
+  const uint32_t u = v == 0.0f ? 0u : __float_as_uint(v);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+
+__global__ void topk_candidates_kernel(const float* __restrict__ logits, int64_t vocab, int64_t limit,
+                                       int64_t k, int64_t cap, int32_t* __restrict__ ids,
+                                       float* __restrict__ values, int32_t* __restrict__ counts) {
+  griddep_launch_dependents();
+  __shared__ uint32_t hist[256];
+  __shared__ uint32_t prefix, mask;
+  __shared__ int64_t remaining;  // of the k: how many of the largest are still above the digit chosen
+  __shared__ int count, non_finite;
+  const float* row = logits + blockIdx.x * vocab;
+  if (threadIdx.x == 0) prefix = 0, mask = 0, remaining = k, count = 0, non_finite = 0;
+  bool bad = false;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    const uint32_t p = prefix, m = mask;
+    for (int64_t i = threadIdx.x; i < limit; i += blockDim.x) {
+      const float v = row[i];
+      if (shift == 24) bad |= !isfinite(v);
+      const uint32_t key = order_key(v);
+      if ((key & m) == p) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // the digit of the k-th largest among the keys with this prefix
+      int64_t above = 0;
+      for (int d = 255; d >= 0; --d) {
+        if (above + hist[d] >= remaining) {
+          prefix = p | static_cast<uint32_t>(d) << shift;
+          mask = m | 255u << shift;
+          remaining -= above;
+          break;
+        }
+        above += hist[d];
+      }
+    }
+    __syncthreads();
+  }
+  if (bad) non_finite = 1;
+  const uint32_t kth = prefix;  // the k-th largest key
+  for (int64_t i = threadIdx.x; i < limit; i += blockDim.x) {
+    const float v = row[i];
+    if (order_key(v) >= kth) {
+      const int at = atomicAdd(&count, 1);
+      if (at < cap) {
+        ids[blockIdx.x * cap + at] = static_cast<int32_t>(i);
+        values[blockIdx.x * cap + at] = v;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) counts[blockIdx.x] = non_finite ? -1 : count;
+}
+
 }  // namespace
 
 namespace {
@@ -1042,6 +1100,13 @@ void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t limit
                  void* stream) {
   argmax_kernel<<<static_cast<unsigned>(rows), 1024, 0, as_stream(stream)>>>(logits, vocab, limit, out);
   check_launch("argmax_rows");
+}
+
+void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int64_t k, int64_t cap,
+                     int32_t* ids, float* values, int32_t* counts, void* stream) {
+  topk_candidates_kernel<<<static_cast<unsigned>(rows), 1024, 0, as_stream(stream)>>>(
+      logits, vocab, limit, k, cap, ids, values, counts);
+  check_launch("topk_candidates");
 }
 
 }  // namespace mtpx::cuda

@@ -116,4 +116,12 @@ void gated_rms_norm(float* o, const float* z, const float* weight, float eps, in
 // cpu::argmax), or -1 when those logits hold NaN or Inf.
 void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int32_t* out, void* stream);
 
+// Sampling with top-k (the sampler's truncate_candidates): per row, every id < limit whose logit is >= the
+// k-th largest of those (counting repeats; -0 equals +0), in any order, at ids / values [row * cap, ..);
+// counts[row] = how many (only the first cap are written when there are more), or -1 when the row's first
+// `limit` logits hold NaN or Inf. One block per row: a radix select of the k-th largest (four passes over
+// 8 bits of an order-preserving key), then one pass collecting.
+void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int64_t k, int64_t cap,
+                     int32_t* ids, float* values, int32_t* counts, void* stream);
+
 }  // namespace mtpx::cuda
