@@ -165,6 +165,7 @@ class CudaExecutor final : public DeviceExecutor {
   mutable Buffer logits_;
   mutable Buffer argmax_;                                               // int32 per logit row (greedy passes)
   mutable Buffer candidate_ids_, candidate_values_, candidate_counts_;  // [rows, kCandidateCap], [rows]
+  mutable Buffer candidate_scratch_;                                    // the select's state per row
   mutable cuda::PinnedBuffer staging_;  // host side of the result copies  // [rows, V] of the last pass
                                         // (grown on demand: only kAll passes need > 1 row)
 };
@@ -214,6 +215,7 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
   candidate_ids_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * kCandidateCap) * sizeof(int32_t));
   candidate_values_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * kCandidateCap) * sizeof(float));
   candidate_counts_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows) * sizeof(int32_t));
+  candidate_scratch_ = Buffer(static_cast<size_t>(cuda::topk_scratch_bytes(cuda::kGemmMinRows)));
   note_device_usage();
   // MTPX_CUDA_GRAPHS=0 runs every pass launch by launch (for debugging and for measuring what graphs save).
   if (const char* g = std::getenv("MTPX_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
@@ -446,6 +448,7 @@ void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float*
       candidate_ids_ = Buffer(static_cast<size_t>(n_rows * kCandidateCap) * sizeof(int32_t));
       candidate_values_ = Buffer(static_cast<size_t>(n_rows * kCandidateCap) * sizeof(float));
       candidate_counts_ = Buffer(static_cast<size_t>(n_rows) * sizeof(int32_t));
+      candidate_scratch_ = Buffer(static_cast<size_t>(cuda::topk_scratch_bytes(n_rows)));
     }
     cuda::Matrix lm_head = lm_head_;  // the first V rows (a draft vocabulary's prefix, or all of them)
     lm_head.rows = V;
@@ -456,7 +459,7 @@ void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float*
     if (const TopKRequest k = served(top_k, V, argmax_limit); k.active())
       cuda::topk_candidates(logits_.as<float>(), n_rows, V, k.limit, k.k, kCandidateCap,
                             candidate_ids_.as<int32_t>(), candidate_values_.as<float>(),
-                            candidate_counts_.as<int32_t>(), stream_.handle());
+                            candidate_counts_.as<int32_t>(), candidate_scratch_.data(), stream_.handle());
   }
 }
 

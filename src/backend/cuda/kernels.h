@@ -119,9 +119,11 @@ void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t limit
 // Sampling with top-k (the sampler's truncate_candidates): per row, every id < limit whose logit is >= the
 // k-th largest of those (counting repeats; -0 equals +0), in any order, at ids / values [row * cap, ..);
 // counts[row] = how many (only the first cap are written when there are more), or -1 when the row's first
-// `limit` logits hold NaN or Inf. One block per row: a radix select of the k-th largest (four passes over
-// 8 bits of an order-preserving key), then one pass collecting.
+// `limit` logits hold NaN or Inf. A radix select of the k-th largest (four passes over 8 bits of an
+// order-preserving key, each over many blocks per row), then one pass collecting. scratch: device memory of
+// topk_scratch_bytes(rows).
+int64_t topk_scratch_bytes(int64_t rows);
 void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int64_t k, int64_t cap,
-                     int32_t* ids, float* values, int32_t* counts, void* stream);
+                     int32_t* ids, float* values, int32_t* counts, void* scratch, void* stream);
 
 }  // namespace mtpx::cuda
