@@ -66,12 +66,19 @@ TEST(TrainedModel, LogitsHiddenAndMtpLogitsMatchTransformersOnHeldOutCode) {
 // only write keys and values. The last row and the cache it leaves must be what a pass of every row gives:
 // bitwise for windows (the row kernels are batch-invariant), to float rounding for a prompt pass (whose
 // all-rows form attends in GEMM blocks).
-// On a CPU whose kernels are AMX tile products, loading packs every bf16 matrix of the trunk and the head
-// into tiles: word (p, n) of the tile of block b and k-block kb holds w[16b + n, 32kb + 2p] in its low half
-// and w[16b + n, 32kb + 2p + 1] in its high half, rows past the matrix are zero. Elsewhere nothing is
-// packed.
-TEST(TrainedModel, LoadingPacksEveryBf16MatrixIntoAmxTilesWhereTheKernelsUseThem) {
+// On a CPU whose kernels are AMX tile products, the first CPU pass packs every bf16 matrix of the trunk and
+// the head into tiles: word (p, n) of the tile of block b and k-block kb holds w[16b + n, 32kb + 2p] in its
+// low half and w[16b + n, 32kb + 2p + 1] in its high half, rows past the matrix are zero. Loading alone
+// packs nothing (a model bound for a GPU never needs the copy); elsewhere nothing is packed.
+TEST(TrainedModel, TheFirstCpuPassPacksEveryBf16MatrixIntoAmxTilesWhereTheKernelsUseThem) {
   auto model = Model::load(kDefaultModel);
+  EXPECT_EQ(model->weights().lm_head.amx_tiles, nullptr);
+  {
+    InferenceState state = model->new_state(4);
+    ForwardResult r;
+    const int32_t token = 5;
+    model->forward(state, std::span<const int32_t>(&token, 1), LogitRows::kLast, r);
+  }
   std::vector<const cpu::WeightMatrix*> matrices{&model->weights().lm_head, &model->mtp()->fc};
   auto add_layer = [&](const LayerWeights& l) {
     if (l.attention)

@@ -46,6 +46,7 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
       model.fail_non_finite(fmt::format("in the MTP head's logits at positions {}..{}", p0, p0 + T - 1));
     return;
   }
+  model.prepare_cpu_kernels();
   result.candidates = {};  // the CPU returns the logits
   const float eps = static_cast<float>(c.rms_norm_eps);
 

@@ -36,7 +36,6 @@ std::unique_ptr<Model> Model::load(const std::filesystem::path& dir) {
   m->config_.tensor_prefix = convention.tensor_prefix;
   m->weights_ = load_model_weights(*m->store_, m->config_, convention.norm_offset);
   m->mtp_ = load_mtp_weights(*m->store_, m->config_, m->mtp_status_, convention.norm_offset);
-  m->pack_amx_tiles();
   return m;
 }
 
@@ -49,7 +48,6 @@ std::unique_ptr<Model> Model::synthetic(const ModelConfig& config, uint64_t seed
     m->mtp_ = make_synthetic_mtp_weights(config, seed + 1, *m->synthetic_);
     m->mtp_status_ = {MtpStatus::Kind::kPresent, ""};
   }
-  m->pack_amx_tiles();
   return m;
 }
 
@@ -72,6 +70,12 @@ void for_each_layer_matrix(LayerWeights& l, F f) {
 }
 
 }  // namespace
+
+void Model::prepare_cpu_kernels() const {
+  // Writes each matrix's amx_tiles once, before any CPU pass reads them (call_once blocks the others).
+  // Models are made by load() and synthetic(), never defined const, so writing through this is sound.
+  std::call_once(cpu_kernels_prepared_, [this] { const_cast<Model*>(this)->pack_amx_tiles(); });
+}
 
 void Model::pack_amx_tiles() {
   if (!cpu::amx_small_m_path()) return;
@@ -110,11 +114,13 @@ void Model::pack_amx_tiles() {
 void Model::use_device(const std::string& device) {
   if (device == "cpu") {
     executor_.reset();
+    prepare_cpu_kernels();  // now rather than in the first request's pass
     return;
   }
   if (device != "cuda") invalid_input("--device must be cpu or cuda, got '{}'", device);
   executor_ = make_cuda_executor(*this);
-  // The CPU's tile copies are not used on the GPU.
+  // The CPU's tile copies (if a CPU pass made them) are not used on the GPU, and are not made after.
+  std::call_once(cpu_kernels_prepared_, [] {});
   for (LayerWeights& l : weights_.layers)
     for_each_layer_matrix(l, [](cpu::WeightMatrix& w) { w.amx_tiles = nullptr; });
   weights_.lm_head.amx_tiles = nullptr;
@@ -156,6 +162,7 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
     state.advance(T);
     return;
   }
+  prepare_cpu_kernels();
   result.candidates = {};  // the CPU returns the logits
   // x: the residual stream [T, H].
   std::vector<float> x(static_cast<size_t>(T * H));

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -46,8 +47,8 @@ class Model {
   const MtpStatus& mtp_status() const { return mtp_status_; }
   const std::filesystem::path& directory() const { return dir_; }
 
-  // Moves the forward passes to `device`: "cpu" (the default; nothing to do) or "cuda" (weights are
-  // uploaded now and the host's copies of the mapped files are dropped from memory). Throws mtpx::Error
+  // Moves the forward passes to `device`: "cpu" (the default; prepare_cpu_kernels() now) or "cuda" (weights
+  // are uploaded now and the host's copies of the mapped files are dropped from memory). Throws mtpx::Error
   // (kUnsupported) naming why a device cannot be used.
   void use_device(const std::string& device);
   // The executor forward passes run on (nullptr: the CPU).
@@ -77,6 +78,12 @@ class Model {
   // Scans the mapped weights, so it is only called on that error path.
   [[noreturn]] void fail_non_finite(const std::string& what) const;
 
+  // What the CPU's kernels need of the weights, made once, by the first forward pass on the CPU (trunk or
+  // head): where they are AMX tile products, every bf16 matrix packed into tiles (a copy of the weights;
+  // the mapped files' pages are released after). Not at load: a model bound for a GPU never needs them.
+  // Thread-safe; a no-op after the first call, and after use_device("cuda").
+  void prepare_cpu_kernels() const;
+
   // Keeps only the first `keep` tokens (1 <= keep <= T) of the last recorded window of T tokens (a verify
   // window's first token is the last one emitted, never rolled back): attention KV is truncated by moving
   // the position back (later writes overwrite the rest); DeltaNet states and conv rows are taken from the
@@ -93,9 +100,10 @@ class Model {
   std::optional<MtpWeights> mtp_;
   MtpStatus mtp_status_;
   std::unique_ptr<DeviceExecutor> executor_;
-  // The bf16 matrices repacked into AMX tiles (cpu::pack_amx_tiles), when the CPU's kernels are AMX tile
-  // products; the matrices' amx_tiles point into these.
+  // The bf16 matrices repacked into AMX tiles (cpu::pack_amx_tiles) by prepare_cpu_kernels(); the
+  // matrices' amx_tiles point into it.
   std::unique_ptr<cpu::TileArena> amx_arena_;
+  mutable std::once_flag cpu_kernels_prepared_;
   void pack_amx_tiles();
 };
 

@@ -342,8 +342,7 @@ Activations prepare_activations(const float* x, int64_t m, int64_t k_dim, Activa
 // tiles out in the order the kernel reads them (per block of 16 features, its k-blocks in order), so a
 // thread's share of a matrix is one sequential stream. (The weights read in place, 16 strided rows per
 // tile, took a decode step's products 1.2-1.3x as long as the AVX-512 kernels; BENCHMARKS.md, session 13.)
-// A holds the
-// activations: a float32 x is split into three bf16 terms, hi = bf16(x), mid = bf16(x - hi),
+// A holds the activations: a float32 x is split into three bf16 terms, hi = bf16(x), mid = bf16(x - hi),
 // lo = bf16(x - hi - mid) (both subtractions are exact), each its own row of A. A bf16 weight times a bf16
 // term is exact in float32, so the sum (lo + mid) + hi of the three rows keeps x's 24 bits and has only
 // the float32 accumulation error (a single bf16 x would lose 16 of them). Five activation rows per A tile
