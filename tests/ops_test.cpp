@@ -221,5 +221,50 @@ TEST(ArgmaxRowsKernel, SameIndexAsTheLoop) {
   EXPECT_EQ(argmax_rows_kernel(zeros.data(), 9), argmax(zeros.data(), 9));
 }
 
+// Several queries over one KV cache head (the query heads of a KV head in every row of a verify window):
+// each output bit-identical to the single-query kernels over that query's own prefix, for head dims on and
+// off whole vectors, prefixes of different lengths (the causal window) and a stride wider than the rows.
+TEST(AttentionMultiQuery, EachQueryIsBitIdenticalToItsOwnCall) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t d : {64, 256, 20, 8}) {
+    const int64_t stride = 2 * d + 8, rows_n = 300;
+    std::vector<float> rows(static_cast<size_t>(rows_n * stride));
+    for (float& x : rows) x = normal(rng);
+    for (int64_t count : {1, 2, 8}) {
+      std::vector<std::vector<float>> qs(static_cast<size_t>(count)), scores(qs.size()), weights(qs.size()),
+          outs(qs.size());
+      std::vector<int64_t> n(qs.size());
+      std::vector<const float*> q_ptr, w_ptr;
+      std::vector<float*> s_ptr, o_ptr;
+      for (size_t i = 0; i < qs.size(); ++i) {
+        n[i] = rows_n - 3 * static_cast<int64_t>(i) - (d == 20 ? 1 : 0);
+        qs[i].resize(static_cast<size_t>(d));
+        for (float& x : qs[i]) x = normal(rng);
+        scores[i].assign(static_cast<size_t>(rows_n), NAN);
+        weights[i].resize(static_cast<size_t>(rows_n));
+        for (float& x : weights[i]) x = std::abs(normal(rng));
+        outs[i].assign(static_cast<size_t>(d), NAN);
+        q_ptr.push_back(qs[i].data());
+        s_ptr.push_back(scores[i].data());
+        w_ptr.push_back(weights[i].data());
+        o_ptr.push_back(outs[i].data());
+      }
+      dot_rows_multi(q_ptr, n, rows.data(), stride, d, 0.125f, s_ptr);
+      weighted_row_sum_multi(w_ptr, n, rows.data(), stride, d, o_ptr);
+      for (size_t i = 0; i < qs.size(); ++i) {
+        std::vector<float> alone(static_cast<size_t>(n[i])), sum(static_cast<size_t>(d));
+        dot_rows(qs[i].data(), rows.data(), stride, n[i], d, 0.125f, alone.data());
+        weighted_row_sum(weights[i].data(), rows.data(), stride, n[i], d, sum.data());
+        ASSERT_EQ(0, std::memcmp(alone.data(), scores[i].data(), alone.size() * sizeof(float)))
+            << "d " << d << " queries " << count << " query " << i;
+        ASSERT_EQ(0, std::memcmp(sum.data(), outs[i].data(), sum.size() * sizeof(float)))
+            << "d " << d << " queries " << count << " query " << i;
+        EXPECT_TRUE(std::isnan(scores[i][static_cast<size_t>(n[i])]) || n[i] == rows_n);  // past its prefix
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mtpx::cpu

@@ -308,7 +308,84 @@ __attribute__((target("avx2,fma"))) void weighted_row_sum_avx2(const float* weig
   }
 }
 
+// dot_rows_multi on whole 8-float vectors (d % 8 == 0): blocks of 4 rows, and per block each query's
+// dot_keys_avx2 (the block stays in L1 for the queries after the first).
+__attribute__((target("avx2,fma"))) void dot_rows_multi_avx2(std::span<const float* const> queries,
+                                                             std::span<const int64_t> n, const float* rows,
+                                                             int64_t stride, int64_t d, float scale,
+                                                             std::span<float* const> out) {
+  const int64_t n_max = *std::max_element(n.begin(), n.end());
+  for (int64_t j0 = 0; j0 < n_max; j0 += 4)
+    for (size_t i = 0; i < queries.size(); ++i) {
+      const int64_t valid = std::min<int64_t>(n[i] - j0, 4);
+      if (valid == 4) {
+        dot_keys_avx2<4>(queries[i], rows + j0 * stride, stride, d, scale, out[i] + j0);
+      } else {
+        for (int64_t j = j0; j < j0 + valid; ++j)
+          dot_keys_avx2<1>(queries[i], rows + j * stride, stride, d, scale, out[i] + j);
+      }
+    }
+}
+
+// rows [j0, j1) into NV vectors of 8 dims of one query: acc = fma(w_j, row_j, acc), j in order, the
+// accumulators loaded from and stored back to acc_out (weighted_block_avx2's chains, cut into key blocks).
+template <int NV>
+__attribute__((target("avx2,fma"))) inline void weighted_keys_avx2(const float* weights, const float* rows,
+                                                                   int64_t stride, int64_t j0, int64_t j1,
+                                                                   float* acc_out) {
+  __m256 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(acc_out + 8 * v);
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m256 wj = _mm256_set1_ps(weights[j]);
+    for (int v = 0; v < NV; ++v)
+      acc[v] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(rows + j * stride + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc_out + 8 * v, acc[v]);
+}
+
+// weighted_row_sum_multi on whole 8-float vectors: blocks of kKeyBlock rows (16 KiB at d = 64, in L1 for
+// the queries after the first), per block and query the chains of weighted_block_avx2 over 64 dims at a
+// time, carried from block to block in `out`.
+__attribute__((target("avx2,fma"))) void weighted_row_sum_multi_avx2(std::span<const float* const> weights,
+                                                                     std::span<const int64_t> n,
+                                                                     const float* rows, int64_t stride,
+                                                                     int64_t d, std::span<float* const> out) {
+  constexpr int64_t kKeyBlock = 64;
+  for (float* o : out) std::fill_n(o, d, 0.0f);
+  const int64_t n_max = *std::max_element(n.begin(), n.end());
+  for (int64_t j0 = 0; j0 < n_max; j0 += kKeyBlock)
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const int64_t j1 = std::min(j0 + kKeyBlock, n[i]);
+      if (j1 <= j0) continue;
+      int64_t c = 0;
+      for (; c + 64 <= d; c += 64) weighted_keys_avx2<8>(weights[i], rows + c, stride, j0, j1, out[i] + c);
+      for (; c < d; c += 8) weighted_keys_avx2<1>(weights[i], rows + c, stride, j0, j1, out[i] + c);
+    }
+}
+
 }  // namespace
+
+void dot_rows_multi(std::span<const float* const> queries, std::span<const int64_t> n, const float* rows,
+                    int64_t stride, int64_t d, float scale, std::span<float* const> out) {
+  if (queries.empty()) return;
+  static const bool simd = have_avx2_fma();
+  if (simd && d % 8 == 0) {
+    dot_rows_multi_avx2(queries, n, rows, stride, d, scale, out);
+    return;
+  }
+  for (size_t i = 0; i < queries.size(); ++i) dot_rows(queries[i], rows, stride, n[i], d, scale, out[i]);
+}
+
+void weighted_row_sum_multi(std::span<const float* const> weights, std::span<const int64_t> n,
+                            const float* rows, int64_t stride, int64_t d, std::span<float* const> out) {
+  if (weights.empty()) return;
+  static const bool simd = have_avx2_fma();
+  if (simd && d % 8 == 0) {
+    weighted_row_sum_multi_avx2(weights, n, rows, stride, d, out);
+    return;
+  }
+  for (size_t i = 0; i < weights.size(); ++i) weighted_row_sum(weights[i], rows, stride, n[i], d, out[i]);
+}
 
 void dot_rows(const float* q, const float* rows, int64_t stride, int64_t n, int64_t d, float scale,
               float* out) {

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <span>
 
 namespace mtpx::cpu {
 
@@ -55,6 +56,15 @@ void dot_rows(const float* q, const float* rows, int64_t stride, int64_t n, int6
               float* out);
 void weighted_row_sum(const float* weights, const float* rows, int64_t stride, int64_t n, int64_t d,
                       float* out);
+
+// The same for several queries over the same rows (the query heads of one KV head, and the rows of a verify
+// window): query i reads rows j < n[i]. Every output is bit-identical to dot_rows / weighted_row_sum of that
+// query alone, but each row is read from memory once for all the queries (the others find it in L1): at a
+// long context the KV cache no longer fits the caches, and one read per query was what a step cost.
+void dot_rows_multi(std::span<const float* const> queries, std::span<const int64_t> n, const float* rows,
+                    int64_t stride, int64_t d, float scale, std::span<float* const> out);
+void weighted_row_sum_multi(std::span<const float* const> weights, std::span<const int64_t> n,
+                            const float* rows, int64_t stride, int64_t d, std::span<float* const> out);
 
 // C = alpha op(A) op(B) + beta C on row-major float32 matrices, op(X) = X or X^T: C [m, n], op(A) [m, k],
 // op(B) [k, n], leading dimensions in floats. OpenBLAS sgemm: multi-threaded when called alone, serial
