@@ -260,7 +260,9 @@ TEST(AttentionMultiQuery, EachQueryIsBitIdenticalToItsOwnCall) {
             << "d " << d << " queries " << count << " query " << i;
         ASSERT_EQ(0, std::memcmp(sum.data(), outs[i].data(), sum.size() * sizeof(float)))
             << "d " << d << " queries " << count << " query " << i;
-        EXPECT_TRUE(std::isnan(scores[i][static_cast<size_t>(n[i])]) || n[i] == rows_n);  // past its prefix
+        if (n[i] < rows_n) {  // untouched past its prefix
+          EXPECT_TRUE(std::isnan(scores[i][static_cast<size_t>(n[i])]));
+        }
       }
     }
   }

@@ -136,29 +136,47 @@ TEST_P(ReferenceTest, PrefillOnTopOfAContextMatchesTransformers) {
   expect_rows_close(got, want, V, "two-part prefill logits");
 }
 
-// A verify window of K+1 tokens computes bit-for-bit what K+1 single decode steps compute: the property
-// that makes greedy speculative decoding lossless.
-TEST_P(ReferenceTest, VerifyWindowIsBitwiseEqualToDecodeSteps) {
-  const int64_t V = model_->config().vocab_size, H = model_->config().hidden_size;
-  auto prompt = read<int32_t>(*reference_, "prompt_1");
-  auto window = read<int32_t>(*reference_, "greedy_1");
-  for (size_t k = 1; k <= 8 && k < window.size(); ++k) {
+// Whether a verify window of k+1 tokens after `context` computes bit-for-bit what k+1 single decode steps
+// compute, for k = 1..max_k: the property that makes greedy speculative decoding lossless.
+void expect_verify_windows_equal_decode_steps(const Model& model, std::span<const int32_t> context,
+                                              std::span<const int32_t> window, size_t max_k) {
+  const int64_t V = model.config().vocab_size, H = model.config().hidden_size;
+  for (size_t k = 1; k <= max_k && k < window.size(); ++k) {
     std::span<const int32_t> tokens(window.data(), k + 1);
-    InferenceState a = model_->new_state(static_cast<int64_t>(prompt.size() + tokens.size()));
-    InferenceState b = model_->new_state(static_cast<int64_t>(prompt.size() + tokens.size()));
+    InferenceState a = model.new_state(static_cast<int64_t>(context.size() + tokens.size()));
+    InferenceState b = model.new_state(static_cast<int64_t>(context.size() + tokens.size()));
     ForwardResult ra, rb;
-    model_->forward(a, prompt, LogitRows::kLast, ra);
-    model_->forward(b, prompt, LogitRows::kLast, rb);
-    model_->forward(a, tokens, LogitRows::kAll, ra);
+    model.forward(a, context, LogitRows::kLast, ra);
+    model.forward(b, context, LogitRows::kLast, rb);
+    model.forward(a, tokens, LogitRows::kAll, ra);
     for (size_t t = 0; t < tokens.size(); ++t) {
-      model_->forward(b, tokens.subspan(t, 1), LogitRows::kLast, rb);
+      model.forward(b, tokens.subspan(t, 1), LogitRows::kLast, rb);
       ASSERT_EQ(0, std::memcmp(rb.logits.data(), &ra.logits[t * static_cast<size_t>(V)],
                                static_cast<size_t>(V) * sizeof(float)))
-          << "K=" << k << " row " << t;
+          << "context " << context.size() << " K=" << k << " row " << t;
       ASSERT_EQ(0, std::memcmp(rb.hidden.data(), &ra.hidden[t * static_cast<size_t>(H)],
                                static_cast<size_t>(H) * sizeof(float)))
-          << "K=" << k << " row " << t;
+          << "context " << context.size() << " K=" << k << " row " << t;
     }
+  }
+}
+
+TEST_P(ReferenceTest, VerifyWindowIsBitwiseEqualToDecodeSteps) {
+  expect_verify_windows_equal_decode_steps(*model_, read<int32_t>(*reference_, "prompt_1"),
+                                           read<int32_t>(*reference_, "greedy_1"), 8);
+}
+
+// The same over long contexts, where attention reads each key and value row once per KV head for all the
+// window's queries, split among the threads by keys and by dims (attention.cpp): a window that crosses
+// 512 keys (its decode steps before that take the per-query loop) and windows over 700 and 1100 keys.
+TEST_P(ReferenceTest, VerifyWindowOverALongContextIsBitwiseEqualToDecodeSteps) {
+  const auto prompt = read<int32_t>(*reference_, "prompt_1");
+  const auto window = read<int32_t>(*reference_, "greedy_1");
+  for (size_t length : {508, 700, 1100}) {
+    std::vector<int32_t> context(length);
+    for (size_t i = 0; i < length; ++i) context[i] = prompt[i % prompt.size()];
+    expect_verify_windows_equal_decode_steps(*model_, context, window, 4);
+    if (HasFatalFailure()) return;
   }
 }
 

@@ -86,30 +86,59 @@ void attend_rows_per_query(const float* qg, const KvCache& cache, int64_t p0, in
 // kernels (each query bit-identical to its own call, so the two ways give the same bits). Each key and
 // value row is read once per KV head and window instead of once per query: at a 4096-token context the
 // cache no longer fits L2, and a 4-row verify pass of the shipped model took 2.8x a decode step
-// (BENCHMARKS.md, session 13).
+// (BENCHMARKS.md, session 13). The threads split each KV head's keys for the scores and its dims for the
+// weighted sums (every chain stays whole), so a model with few KV heads still keeps many cores busy.
 void attend_rows_per_kv_head(const float* qg, const KvCache& cache, int64_t p0, int64_t T, int64_t nq,
                              int64_t nkv, int64_t D, float scale, float* o) {
+  constexpr int64_t kKeysPerTask = 256, kDimsPerTask = 64;
   const int64_t group = nq / nkv, max_keys = p0 + T, queries = T * group;
-#pragma omp parallel for schedule(static) if (T * nq * max_keys * D >= (1 << 16))
-  for (int64_t hk = 0; hk < nkv; ++hk) {
-    std::vector<float> scores(static_cast<size_t>(queries * max_keys));
-    std::vector<const float*> q(static_cast<size_t>(queries));
-    std::vector<float*> weights(static_cast<size_t>(queries)), out(static_cast<size_t>(queries));
-    std::vector<int64_t> n_keys(static_cast<size_t>(queries));
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t g = 0; g < group; ++g) {
-        const auto i = static_cast<size_t>(t * group + g);
-        const int64_t hq = hk * group + g;
-        q[i] = &qg[(t * nq + hq) * 2 * D];
-        n_keys[i] = p0 + t + 1;
-        weights[i] = &scores[i * static_cast<size_t>(max_keys)];
-        out[i] = &o[(t * nq + hq) * D];
+  const int64_t key_tasks = (max_keys + kKeysPerTask - 1) / kKeysPerTask;
+  // Off whole 8-float vectors a part of the dims would take another kernel than the whole.
+  const int64_t dim_tasks = D % 8 == 0 ? (D + kDimsPerTask - 1) / kDimsPerTask : 1;
+  std::vector<float> scores(static_cast<size_t>(nkv * queries * max_keys));
+  auto query = [&](int64_t hk, int64_t i) {
+    return &qg[((i / group) * nq + hk * group + i % group) * 2 * D];
+  };
+  auto n_keys = [&](int64_t i) { return p0 + i / group + 1; };
+  auto weights = [&](int64_t hk, int64_t i) {
+    return &scores[static_cast<size_t>((hk * queries + i) * max_keys)];
+  };
+  const bool parallel = T * nq * max_keys * D >= (1 << 16);
+#pragma omp parallel if (parallel)
+  {
+    std::vector<const float*> in(static_cast<size_t>(queries)), w(static_cast<size_t>(queries));
+    std::vector<float*> out(static_cast<size_t>(queries));
+    std::vector<int64_t> n(static_cast<size_t>(queries));
+    // Scores: keys [j0, j0 + kKeysPerTask) of KV head hk for all its queries.
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t hk = 0; hk < nkv; ++hk)
+      for (int64_t task = 0; task < key_tasks; ++task) {
+        const int64_t j0 = task * kKeysPerTask;
+        for (int64_t i = 0; i < queries; ++i) {
+          in[static_cast<size_t>(i)] = query(hk, i);
+          n[static_cast<size_t>(i)] = std::clamp<int64_t>(n_keys(i) - j0, 0, kKeysPerTask);
+          out[static_cast<size_t>(i)] = weights(hk, i) + j0;
+        }
+        cpu::dot_rows_multi(in, n, &cache.keys[static_cast<size_t>(j0 * nkv * D + hk * D)], nkv * D, D, scale,
+                            out);
       }
-    cpu::dot_rows_multi(q, n_keys, &cache.keys[static_cast<size_t>(hk * D)], nkv * D, D, scale, weights);
-    for (size_t i = 0; i < weights.size(); ++i) softmax_in_place(weights[i], n_keys[i]);
-    const std::vector<const float*> weights_in(weights.begin(), weights.end());
-    cpu::weighted_row_sum_multi(weights_in, n_keys, &cache.values[static_cast<size_t>(hk * D)], nkv * D, D,
-                                out);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < nkv * queries; ++r) {
+      softmax_in_place(&scores[static_cast<size_t>(r * max_keys)], n_keys(r % queries));
+    }
+    // Weighted sums: dims [c0, c0 + kDimsPerTask) of KV head hk for all its queries, over all their keys.
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t hk = 0; hk < nkv; ++hk)
+      for (int64_t task = 0; task < dim_tasks; ++task) {
+        const int64_t c0 = task * kDimsPerTask, dims = dim_tasks == 1 ? D : std::min(kDimsPerTask, D - c0);
+        for (int64_t i = 0; i < queries; ++i) {
+          w[static_cast<size_t>(i)] = weights(hk, i);
+          n[static_cast<size_t>(i)] = n_keys(i);
+          out[static_cast<size_t>(i)] = &o[((i / group) * nq + hk * group + i % group) * D + c0];
+        }
+        cpu::weighted_row_sum_multi(w, n, &cache.values[static_cast<size_t>(hk * D + c0)], nkv * D, dims,
+                                    out);
+      }
   }
 }
 
