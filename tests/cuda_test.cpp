@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <string>
 
 #include "backend/cpu/ops.h"
 #include "backend/cpu/quant_matmul.h"
@@ -329,16 +331,21 @@ TEST_P(CudaQuantized, LogitsVerifyWindowsAndGreedyMtpMatch) {
   const auto path = quantized(GetParam(), dir);
   MTPX_GPU_MODEL(gpu, path);
   const auto cpu = Model::load(path);
-  // The GPU computes in float like the CPU's float tiles. Where the CPU runs 4-bit rows with int8
-  // activations (quant_matmul.h; scripts/gpu_check.sh turns them off with MTPX_AFFINE_ACTIVATIONS=f32),
-  // its own logits move by up to 3.3% of the largest (measured on this model's 5-token prompts, 4-bit).
-  const bool int8_rows = (cpu::affine_default_kernel() == cpu::AffineKernel::kAvx512Vnni ||
-                          cpu::affine_default_kernel() == cpu::AffineKernel::kAvx2Int8) &&
-                         GetParam().bits == 4;
+  // 4-bit row kernels quantize the activations to int8 per run of 32 values, unless
+  // MTPX_AFFINE_ACTIVATIONS=f32 (quant_matmul.h, affine.cu; scripts/gpu_check.sh runs both ways): the
+  // GPU's for every 4-bit matrix, the CPU's for those of whole 128-column blocks. That moves the logits by
+  // up to 3.3% of the largest (measured on this model's 5-token prompts; 2.9% between the two sides).
+  const char* activations = std::getenv("MTPX_AFFINE_ACTIVATIONS");
+  const bool gpu_int8_rows =
+      GetParam().bits == 4 && (activations == nullptr || std::string(activations) != "f32");
+  const bool cpu_int8_rows = (cpu::affine_default_kernel() == cpu::AffineKernel::kAvx512Vnni ||
+                              cpu::affine_default_kernel() == cpu::AffineKernel::kAvx2Int8) &&
+                             GetParam().bits == 4;
   for (int64_t n : {5, 40}) {
     const auto prompt = prompt_for(*cpu, n);
     const auto [max_diff, max_abs] = logit_difference(*cpu, *gpu, prompt);
-    EXPECT_LT(max_diff / max_abs, int8_rows && n < cpu::kGemmMinRows ? 6e-2 : 1e-2) << "prompt " << n;
+    EXPECT_LT(max_diff / max_abs, (gpu_int8_rows || cpu_int8_rows) && n < cpu::kGemmMinRows ? 6e-2 : 1e-2)
+        << "prompt " << n << (gpu_int8_rows ? ", int8 activations on the GPU" : "");
   }
   // Verify windows against single steps: 5 rows (one launch of the row kernels) and 11 (two: 8 + 3).
   const int64_t V = gpu->config().vocab_size;

@@ -169,6 +169,203 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   }
 }
 
+// ---- 4-bit rows with int8 activations (the CPU's kAvx512Vnni scheme, quant_matmul.h). The float kernel
+// above spends ~3 instructions per code and reads 4 bytes of x per half byte of weights: it streamed at
+// 0.7-1.1 TB/s. Here each block first quantizes the M activation rows into shared memory, per run of 32
+// values exactly as the CPU does: s = max|x| / 127 (0 below 1e-30), xq = x * (1 / s) rounded to nearest
+// even and clamped to [-127, 127], and the run's float sum. A lane then takes whole runs: 16 bytes of codes
+// per row (the run's 32 codes, one group), split into low and high nibbles by two bitwise ops per word and
+// multiplied with xq by dp4a (the int8 bytes are stored even-index first to match the nibbles):
+//   d = sum_c code_c * xq_c   (exact in int32: |d| <= 32 * 15 * 127)
+//   acc = fma(bias_g, xsum_run, acc); acc = fma(scale_g * s_run, d, acc)      (runs in order)
+// then the fixed butterfly. Each activation row's quantization and sums depend on that row only, and its
+// runs are visited in the same order for any M: batch-invariant. The blocks are persistent (a few per SM,
+// looping over the row tasks) so that x is quantized a few hundred times per product, not once per row.
+constexpr int kRun = 32;  // values per activation scale (kActivationBlock on the CPU)
+
+struct Int8Activations {
+  const int4* q;       // [M][2][runs]: per run, words of even-index bytes then of odd-index bytes
+  const float* scale;  // [M][runs]
+  const float* sum;    // [M][runs]
+};
+
+__device__ __forceinline__ uint32_t pack_int8(float a, float b, float c, float d, float inverse) {
+  auto q = [&](float v) {
+    const int i = max(-127, min(127, __float2int_rn(v * inverse)));
+    return static_cast<uint32_t>(i) & 0xffu;
+  };
+  return q(a) | q(b) << 8 | q(c) << 16 | q(d) << 24;
+}
+
+// Thread t quantizes runs t, t + blockDim.x, ... of the M rows into shared memory.
+template <int M>
+__device__ void quantize_runs(const float* __restrict__ x, int x_stride, int runs, int4* q, float* scale,
+                              float* sum) {
+  for (int u = threadIdx.x; u < M * runs; u += blockDim.x) {
+    const int m = u / runs, r = u % runs;
+    const float4* src = reinterpret_cast<const float4*>(x + static_cast<size_t>(m) * x_stride + r * kRun);
+    float v[kRun];
+#pragma unroll
+    for (int i = 0; i < kRun / 4; ++i) {
+      const float4 f = src[i];
+      v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+    }
+    float peak = 0.0f, total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRun; ++i) peak = fmaxf(peak, fabsf(v[i])), total += v[i];
+    const bool zeros = peak < 1e-30f;
+    const float s = zeros ? 0.0f : peak / 127.0f, inverse = zeros ? 0.0f : 1.0f / s;
+    uint32_t even[4], odd[4];  // word c: values 8c + 0, 2, 4, 6 (even) and 8c + 1, 3, 5, 7 (odd)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      even[c] = pack_int8(v[8 * c], v[8 * c + 2], v[8 * c + 4], v[8 * c + 6], inverse);
+      odd[c] = pack_int8(v[8 * c + 1], v[8 * c + 3], v[8 * c + 5], v[8 * c + 7], inverse);
+    }
+    // Word order as the codes': word c of the run's 16 bytes holds codes 8c .. 8c + 7.
+    q[(2 * m) * runs + r] = make_int4(even[0], odd[0], even[1], odd[1]);
+    q[(2 * m + 1) * runs + r] = make_int4(even[2], odd[2], even[3], odd[3]);
+    scale[m * runs + r] = s;
+    sum[m * runs + r] = total;
+  }
+}
+
+template <int M, int MODE, int R, int U>  // R weight rows per warp (swiglu: R/2 gate + R/2 up rows)
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    affine4_int8_rows(const AffineGroup g, const float* __restrict__ x, int x_stride) {
+  extern __shared__ int4 shared[];
+  const int runs = g.cols / kRun, lane = threadIdx.x % 32;
+  const int total_warps = g.warps_before[g.count], grid_warps = gridDim.x * kGemvWarps;
+  int4* xq = shared;
+  float* xscale = reinterpret_cast<float*>(xq + 2 * M * runs);
+  float* xsum = xscale + M * runs;
+  const int per_matrix = MODE == kSwiglu ? R / 2 : R;
+  const int words_per_row = g.cols / 8;
+  // The rows of task `warp`: matrix j, rows row0 .. row0 + per_matrix - 1 (past the end: the last row,
+  // computed and not stored).
+  auto rows_of = [&](int warp, int& j, int& row0, const uint4*(&wr)[R], size_t(&sb)[R]) {
+    j = 0;
+    while (warp >= g.warps_before[j + 1]) ++j;
+    row0 = (warp - g.warps_before[j]) * per_matrix;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int mi = MODE == kSwiglu ? (i < R / 2 ? 0 : 1) : j;
+      const int r = min(row0 + (MODE == kSwiglu ? i % (R / 2) : i), g.rows[j] - 1);
+      wr[i] = reinterpret_cast<const uint4*>(g.codes[mi] + static_cast<size_t>(r) * words_per_row);
+      sb[i] = static_cast<size_t>(r) * g.groups;
+    }
+  };
+  const int first = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+  if (first < total_warps) {
+    int j, row0;
+    const uint4* wr[R];
+    size_t sb[R];
+    rows_of(first, j, row0, wr, sb);
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+      if (lane == i) prefetch_l2(wr[i], g.prefetch_bytes);
+  }
+  griddep_wait();
+  griddep_launch_dependents();
+  quantize_runs<M>(x, x_stride, runs, xq, xscale, xsum);
+  __syncthreads();
+  for (int warp = first; warp < total_warps; warp += grid_warps) {
+    int j, row0;
+    const uint4* wr[R];
+    size_t sb[R];
+    rows_of(warp, j, row0, wr, sb);
+    const void* scales[R];
+    const void* biases[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int mi = MODE == kSwiglu ? (i < R / 2 ? 0 : 1) : j;
+      scales[i] = g.scales[mi], biases[i] = g.biases[mi];
+    }
+    float acc[R][M];
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[i][m] = 0.0f;
+#pragma unroll U
+    for (int r = lane; r < runs; r += 32) {
+      const int grp = (r * kRun) >> g.group_log2;
+      uint32_t lo[R][4], hi[R][4];
+      float scale[R], bias[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        const uint4 w = __ldg(wr[i] + r);
+        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          lo[i][c] = words[c] & 0x0f0f0f0fu, hi[i][c] = (words[c] >> 4) & 0x0f0f0f0fu;
+        scale[i] = scale_at(scales[i], sb[i] + grp, g.scales_f32);
+        bias[i] = scale_at(biases[i], sb[i] + grp, g.scales_f32);
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const int4 a = xq[(2 * m) * runs + r], b = xq[(2 * m + 1) * runs + r];
+        const int even[4] = {a.x, a.z, b.x, b.z}, odd[4] = {a.y, a.w, b.y, b.w};
+        const float s = xscale[m * runs + r], total = xsum[m * runs + r];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          int d = 0;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            d = __dp4a(static_cast<int>(lo[i][c]), even[c], d);
+            d = __dp4a(static_cast<int>(hi[i][c]), odd[c], d);
+          }
+          acc[i][m] = fmaf(scale[i] * s, static_cast<float>(d), fmaf(bias[i], total, acc[i][m]));
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[i][m] = warp_sum(acc[i][m]);
+    if (lane != 0) continue;
+    float* y = g.y[j];
+#pragma unroll
+    for (int i = 0; i < per_matrix; ++i) {
+      const int r = row0 + i;
+      if (r >= g.rows[j]) break;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float* out = y + static_cast<size_t>(m) * g.rows[j] + r;
+        if constexpr (MODE == kSwiglu)
+          *out = silu(acc[i][m]) * acc[i + R / 2][m];
+        else if constexpr (MODE == kAccumulate)
+          *out += acc[i][m];
+        else
+          *out = acc[i][m];
+      }
+    }
+  }
+}
+
+// Shared memory of affine4_int8_rows for M activation rows of `cols` values.
+size_t int8_activation_bytes(int m, int cols) {
+  const size_t runs = static_cast<size_t>(cols / kRun);
+  return static_cast<size_t>(m) * runs * (2 * sizeof(int4) + 2 * sizeof(float));
+}
+// At most this much per block (of the 227 KiB an SM of sm_90 offers one block).
+constexpr size_t kMaxInt8ActivationBytes = 200 << 10;
+
+template <int M, int MODE, int R, int U>
+void launch_int8(const AffineGroup& g, const float* x, int x_stride, int total_warps, cudaStream_t s) {
+  auto kernel = affine4_int8_rows<M, MODE, R, U>;
+  static const bool configured = [&] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kMaxInt8ActivationBytes)) == cudaSuccess;
+  }();
+  if (!configured) fail(ErrorKind::kInternal, "CUDA: cannot give the int8 row kernel its shared memory");
+  const size_t smem = int8_activation_bytes(M, g.cols);
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvWarps * 32, smem) != cudaSuccess ||
+      per_sm < 1)
+    fail(ErrorKind::kInternal, "CUDA: the int8 row kernel fits no SM ({} bytes of shared memory)", smem);
+  const int blocks = std::min((total_warps + kGemvWarps - 1) / kGemvWarps, per_sm * multiprocessor_count());
+  launch_pdl(kernel, static_cast<unsigned>(blocks), kGemvWarps * 32, smem, s, g, x, x_stride);
+}
+
 // Any bits (2..8): one row per warp, codes read bit by bit from the words, the same chunks per lane as the
 // fast kernel; same per-row order for any M.
 template <int MODE>
@@ -216,6 +413,57 @@ __global__ void affine_rows_generic(const AffineGroup g, const float* __restrict
   }
 }
 
+// The 4-bit rows with int8 activations, in launches of at most 8 activation rows and as many as fit the
+// shared memory (each row's arithmetic is the same in any launch).
+template <int MODE>
+void launch_rows_int8(AffineGroup g, const float* x, int64_t m, int64_t total_rows, cudaStream_t s) {
+  // Rows per warp and runs in flight per lane, measured on the 9B shape's 4-bit decode step (H200,
+  // BENCHMARKS.md, session 14): one activation row runs fastest with the most warps (2 rows per warp, 1 + 1
+  // for SwiGLU) and 4 runs in flight, 336 against 317 tok/s for 4 rows per warp and 2 runs (278 for 4 and 4);
+  // several rows (verify windows) share each x load among 4 weight rows where there are enough rows.
+  const int64_t fit = static_cast<int64_t>(kMaxInt8ActivationBytes / int8_activation_bytes(1, g.cols));
+  const int64_t per_launch = std::min<int64_t>(kMaxRowsPerLaunch, fit);
+  if (per_launch < 1) fail(ErrorKind::kUnsupported, "CUDA: 4-bit rows of {} columns", g.cols);
+  for (int64_t m0 = 0; m0 < m; m0 += per_launch) {
+    const int mc = static_cast<int>(std::min<int64_t>(per_launch, m - m0));
+    const bool four = mc > 1 && (MODE == kSwiglu || total_rows >= 8192);
+    const int per_matrix = MODE == kSwiglu ? (four ? 2 : 1) : four ? 4 : 2;
+    AffineGroup part = g;
+    part.warps_before[0] = 0;
+    for (int i = 0; i < g.count; ++i) {
+      part.warps_before[i + 1] = part.warps_before[i] + (g.rows[i] + per_matrix - 1) / per_matrix;
+      part.y[i] = g.y[i] + m0 * g.rows[i];
+    }
+    const int total_warps = part.warps_before[g.count];
+    const float* xp = x + m0 * g.cols;
+    auto launch = [&](auto m_constant) {
+      constexpr int M = decltype(m_constant)::value;
+      if constexpr (M == 1)
+        launch_int8<M, MODE, 2, 4>(part, xp, g.cols, total_warps, s);
+      else if (four)
+        launch_int8<M, MODE, 4, 2>(part, xp, g.cols, total_warps, s);
+      else if constexpr (MODE != kSwiglu)
+        launch_int8<M, MODE, 2, 2>(part, xp, g.cols, total_warps, s);
+    };
+    switch (mc) {
+#define MTPX_INT8_CASE(M)                     \
+  case M:                                     \
+    launch(std::integral_constant<int, M>{}); \
+    break;
+      MTPX_INT8_CASE(1)
+      MTPX_INT8_CASE(2)
+      MTPX_INT8_CASE(3)
+      MTPX_INT8_CASE(4)
+      MTPX_INT8_CASE(5)
+      MTPX_INT8_CASE(6)
+      MTPX_INT8_CASE(7)
+      MTPX_INT8_CASE(8)
+#undef MTPX_INT8_CASE
+    }
+  }
+  check_launch("affine rows (int8 activations)");
+}
+
 template <int MODE>
 void launch_rows(AffineGroup g, int bits, const float* x, int64_t m, cudaStream_t s) {
   const bool fast = bits == 4 || bits == 8 || bits == 6;
@@ -235,6 +483,10 @@ void launch_rows(AffineGroup g, int bits, const float* x, int64_t m, cudaStream_
     g.warps_before[i + 1] = g.warps_before[i] + (g.rows[i] + per_warp - 1) / per_warp;
   const auto blocks = static_cast<unsigned>((g.warps_before[g.count] + kGemvWarps - 1) / kGemvWarps);
   const int x_stride = g.cols;
+  if (bits == 4 && affine_int8_activations() && aligned && reinterpret_cast<uintptr_t>(x) % 16 == 0) {
+    launch_rows_int8<MODE>(g, x, m, total_rows, s);
+    return;
+  }
   // Activation rows in launches of at most 8 (each row's arithmetic is the same in any launch).
   for (int64_t m0 = 0; m0 < m; m0 += kMaxRowsPerLaunch) {
     const int mc = static_cast<int>(std::min<int64_t>(kMaxRowsPerLaunch, m - m0));
@@ -250,7 +502,7 @@ void launch_rows(AffineGroup g, int bits, const float* x, int64_t m, cudaStream_
       switch (mc) {
 #define MTPX_AFFINE_CASE(M) \
   case M:                   \
-    return launch_pdl(affine_rows_kernel<B, M, MODE>, blocks, kGemvWarps * 32, s, part, xp, x_stride);
+    return launch_pdl(affine_rows_kernel<B, M, MODE>, blocks, kGemvWarps * 32, 0, s, part, xp, x_stride);
         MTPX_AFFINE_CASE(1)
         MTPX_AFFINE_CASE(2)
         MTPX_AFFINE_CASE(3)

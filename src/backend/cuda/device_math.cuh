@@ -73,14 +73,15 @@ inline uint32_t prefetch_bytes_per_row(int64_t total_rows, int64_t row_bytes) {
   return static_cast<uint32_t>(std::max<int64_t>(per_row, 0));
 }
 
-// kernel<<<blocks, threads, 0, s>>>(args...), with programmatic stream serialization when pdl_enabled().
+// kernel<<<blocks, threads, shared_bytes, s>>>(args...), with programmatic stream serialization when
+// pdl_enabled().
 template <typename... Params, typename... Args>
-void launch_pdl(void (*kernel)(Params...), unsigned blocks, unsigned threads, cudaStream_t s,
-                Args&&... args) {
+void launch_pdl(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t shared_bytes,
+                cudaStream_t s, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = shared_bytes;
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -203,11 +203,11 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
     return;
   }
   switch (m) {
-#define MTPX_GEMV_CASE(M)                                                                        \
-  case M:                                                                                        \
-    if constexpr (MODE != kSwiglu && std::is_same_v<W, __nv_bfloat16>)                           \
-      if (narrow) return launch_pdl(gemv_rows<W, M, MODE, 2>, blocks, kGemvWarps * 32, s, g, x); \
-    return launch_pdl(gemv_rows<W, M, MODE, kGemvRows>, blocks, kGemvWarps * 32, s, g, x);
+#define MTPX_GEMV_CASE(M)                                                                           \
+  case M:                                                                                           \
+    if constexpr (MODE != kSwiglu && std::is_same_v<W, __nv_bfloat16>)                              \
+      if (narrow) return launch_pdl(gemv_rows<W, M, MODE, 2>, blocks, kGemvWarps * 32, 0, s, g, x); \
+    return launch_pdl(gemv_rows<W, M, MODE, kGemvRows>, blocks, kGemvWarps * 32, 0, s, g, x);
     MTPX_GEMV_CASE(1)
     MTPX_GEMV_CASE(2)
     MTPX_GEMV_CASE(3)

@@ -187,4 +187,24 @@ bool pdl_enabled() {
   return enabled;
 }
 
+bool affine_int8_activations() {
+  // The CPU validates the value (quant_matmul.cpp); here anything but f32 keeps the default.
+  static const bool enabled = [] {
+    const char* v = std::getenv("MTPX_AFFINE_ACTIVATIONS");
+    return v == nullptr || std::string(v) != "f32";
+  }();
+  return enabled;
+}
+
+int multiprocessor_count() {
+  static const int count = [] {
+    int device = 0, n = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n < 1)
+      fail(ErrorKind::kInternal, "CUDA: cannot read the number of multiprocessors");
+    return n;
+  }();
+  return count;
+}
+
 }  // namespace mtpx::cuda

@@ -100,4 +100,11 @@ void check_launch(const char* what);
 // MTPX_CUDA_PDL=0 turns it off, to measure what it gives. Read once.
 bool pdl_enabled();
 
+// Whether the 4-bit row kernels quantize the activations to int8 (affine.cu), as the CPU's do
+// (quant_matmul.h): unless the environment sets MTPX_AFFINE_ACTIVATIONS=f32. Read once.
+bool affine_int8_activations();
+
+// The current device's streaming multiprocessors. Read once.
+int multiprocessor_count();
+
 }  // namespace mtpx::cuda
