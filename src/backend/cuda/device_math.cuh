@@ -35,6 +35,37 @@ enum RowEpilogue : int {
   kSwiglu = 2,      // y = silu(x gate^T) * (x up^T)
 };
 
+// A warp's finished rows: each accumulator reduced over the lanes (fixed butterfly), then lane 0 stores
+// rows row0 .. row0 + per_matrix - 1 of matrix j's output g.y[j] [M, g.rows[j]] (those past the end were
+// computed, not stored) through the epilogue. SwiGLU: accumulators i < R / 2 are gate rows, i + R / 2 the
+// matching up rows.
+template <int M, int MODE, int R, typename Group>
+__device__ __forceinline__ void finish_rows(float (&acc)[R][M], const Group& g, int j, int row0,
+                                            int per_matrix, int lane) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[i][m] = warp_sum(acc[i][m]);
+  if (lane != 0) return;
+  const int rows = g.rows[j];
+  float* y = g.y[j];
+#pragma unroll
+  for (int i = 0; i < per_matrix; ++i) {
+    const int r = row0 + i;
+    if (r >= rows) break;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float* out = y + static_cast<size_t>(m) * rows + r;
+      if constexpr (MODE == kSwiglu)
+        *out = silu(acc[i][m]) * acc[i + R / 2][m];
+      else if constexpr (MODE == kAccumulate)
+        *out += acc[i][m];
+      else
+        *out = acc[i][m];
+    }
+  }
+}
+
 // Row kernels run 8 warps per block.
 inline constexpr int kGemvWarps = 8;
 

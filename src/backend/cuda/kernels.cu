@@ -123,28 +123,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < R; ++i)
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[i][m] = warp_sum(acc[i][m]);
-  if (lane != 0) return;
-  const int rows = g.rows[j];
-  float* y = g.y[j];
-#pragma unroll
-  for (int i = 0; i < per_matrix; ++i) {
-    const int r = row0 + i;
-    if (r >= rows) break;
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float* out = y + static_cast<size_t>(m) * rows + r;
-      if constexpr (MODE == kSwiglu)
-        *out = silu(acc[i][m]) * acc[i + R / 2][m];
-      else if constexpr (MODE == kAccumulate)
-        *out += acc[i][m];
-      else
-        *out = acc[i][m];
-    }
-  }
+  finish_rows<M, MODE, R>(acc, g, j, row0, per_matrix, lane);
 }
 
 // Any shape (cols not a multiple of 8, unaligned data): one weight row per warp, lane l reduces
