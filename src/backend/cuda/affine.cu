@@ -163,12 +163,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 // looping over the row tasks) so that x is quantized a few hundred times per product, not once per row.
 constexpr int kRun = 32;  // values per activation scale (kActivationBlock on the CPU)
 
-struct Int8Activations {
-  const int4* q;       // [M][2][runs]: per run, words of even-index bytes then of odd-index bytes
-  const float* scale;  // [M][runs]
-  const float* sum;    // [M][runs]
-};
-
 __device__ __forceinline__ uint32_t pack_int8(float a, float b, float c, float d, float inverse) {
   auto q = [&](float v) {
     const int i = max(-127, min(127, __float2int_rn(v * inverse)));
@@ -215,7 +209,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   extern __shared__ int4 shared[];
   const int runs = g.cols / kRun, lane = threadIdx.x % 32;
   const int total_warps = g.warps_before[g.count], grid_warps = gridDim.x * kGemvWarps;
-  int4* xq = shared;
+  int4* xq = shared;  // [M][2][runs]: per run, the words of even-index bytes, then of odd-index bytes
   float* xscale = reinterpret_cast<float*>(xq + 2 * M * runs);
   float* xsum = xscale + M * runs;
   const int per_matrix = MODE == kSwiglu ? R / 2 : R;
