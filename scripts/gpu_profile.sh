@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Where one decode step's GPU time goes, per kernel, for each shape (for the GPU machine): Nsight Compute
+# times every kernel of one step (clocks left alone), bench/ncu_breakdown.py sums them per kernel.
+#
+#   scripts/gpu_profile.sh BIN_DIR ["SHAPES"]       e.g. scripts/gpu_profile.sh /tmp/g/bin "0.8B 9B 9B-q4"
+#
+# BIN_DIR holds bench_cuda and mtpx (and lib/ with their shared libraries). 9B-q4 is a checkpoint written
+# first by `mtpx synth --shape 9B --bits 4` (as in gpu_check.sh). The CSVs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bin=$1 shapes=${2:-"0.8B 9B 9B-q4"}
+out=${OUT:-/tmp/gpu_profile}
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
+status=0
+for s in $shapes; do
+  args=(--shape "$s")
+  if [ "$s" = "9B-q4" ]; then
+    dir=${TMPDIR:-/tmp}/mtpx_9b_q4
+    [ -d "$dir" ] || "$bin/mtpx" synth --shape 9B --bits 4 --group-size 64 --mtp --out "$dir" >/dev/null || status=1
+    args=(--model "$dir")
+  fi
+  csv="$out/ncu_$s.csv"
+  ncu --clock-control none --csv --page raw --metrics gpu__time_duration.sum "$bin/bench_cuda" "${args[@]}" \
+    --profile-steps 1 >"$csv" 2>"$out/ncu_$s.err" || { status=1; tail -3 "$out/ncu_$s.err"; continue; }
+  echo "== $s"
+  python3 bench/ncu_breakdown.py "$csv" | head -16 || status=1
+done
+exit $status
