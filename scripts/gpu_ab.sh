@@ -5,11 +5,11 @@
 #   scripts/gpu_ab.sh BIN_DIR VAR "VALUE_A VALUE_B" "SHAPES" [ROUNDS]
 #   e.g. scripts/gpu_ab.sh /tmp/g/bin MTPX_CUDA_PDL "1 0" "9B 0.8B" 2
 #
-# BIN_DIR holds bench_cuda and mtpx (and lib/ with their shared libraries). The shape 9B-q4 is a checkpoint
-# written first by `mtpx synth --shape 9B --bits 4` (as in gpu_check.sh). Results (one JSON per run) go
-# to $OUT.
+# BIN_DIR holds bench_cuda and mtpx (and lib/ with their shared libraries); shapes as gpu_shapes.sh names
+# them (9B-q4 included). Results (one JSON per run) go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/gpu_shapes.sh
 bin=$1 var=$2 values=$3 shapes=$4 rounds=${5:-2}
 out=${OUT:-/tmp/gpu_ab}
 mkdir -p "$out"
@@ -18,12 +18,7 @@ for s in $shapes; do
   for r in $(seq 1 "$rounds"); do
     for v in $values; do
       f="$out/ab_${s}_${var}_${v}_${r}.json"
-      args=(--shape "$s")
-      if [ "$s" = "9B-q4" ]; then
-        dir=${TMPDIR:-/tmp}/mtpx_9b_q4
-        [ -d "$dir" ] || "$bin/mtpx" synth --shape 9B --bits 4 --group-size 64 --mtp --out "$dir" >/dev/null
-        args=(--model "$dir")
-      fi
+      shape_args "$bin" "$s" || echo "mtpx synth for $s failed"
       env "$var=$v" "$bin/bench_cuda" "${args[@]}" --prefill-tokens 0 --mtp-tokens 0 --json >"$f" 2>"$f.err" ||
         { echo "bench_cuda --shape $s with $var=$v failed:"; tail -3 "$f.err"; }
     done

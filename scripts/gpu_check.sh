@@ -8,6 +8,7 @@
 # 4-bit 9B benchmark runs on a checkpoint written first by `mtpx synth --bits 4` (about 5.5 GB in $TMPDIR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/gpu_shapes.sh
 bin=${1:-build}
 quick=${2:-}
 out=${OUT:-/tmp/gpu_check}
@@ -29,12 +30,7 @@ passed=$(grep -oP '\[  PASSED  \] \K[0-9]+' "$out/gpu_tests.log" | awk '{s += $1
 shapes="0.8B 9B 9B-q4"
 [ "$quick" = "--quick" ] && shapes="0.8B"
 for s in $shapes; do
-  args=(--shape "$s")
-  if [ "$s" = "9B-q4" ]; then
-    dir=${TMPDIR:-/tmp}/mtpx_9b_q4
-    [ -d "$dir" ] || "$bin/mtpx" synth --shape 9B --bits 4 --group-size 64 --mtp --out "$dir" >/dev/null || status=1
-    args=(--model "$dir")
-  fi
+  shape_args "$bin" "$s" || status=1
   "$bin/bench_cuda" "${args[@]}" --json > "$out/bench_$s.json" 2> "$out/bench_$s.err" || { status=1; cat "$out/bench_$s.err"; }
 done
 

@@ -4,22 +4,18 @@
 #
 #   scripts/gpu_profile.sh BIN_DIR ["SHAPES"]       e.g. scripts/gpu_profile.sh /tmp/g/bin "0.8B 9B 9B-q4"
 #
-# BIN_DIR holds bench_cuda and mtpx (and lib/ with their shared libraries). 9B-q4 is a checkpoint written
-# first by `mtpx synth --shape 9B --bits 4` (as in gpu_check.sh). The CSVs go to $OUT.
+# BIN_DIR holds bench_cuda and mtpx (and lib/ with their shared libraries); shapes as gpu_shapes.sh names
+# them (9B-q4 included). The CSVs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/gpu_shapes.sh
 bin=$1 shapes=${2:-"0.8B 9B 9B-q4"}
 out=${OUT:-/tmp/gpu_profile}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
 status=0
 for s in $shapes; do
-  args=(--shape "$s")
-  if [ "$s" = "9B-q4" ]; then
-    dir=${TMPDIR:-/tmp}/mtpx_9b_q4
-    [ -d "$dir" ] || "$bin/mtpx" synth --shape 9B --bits 4 --group-size 64 --mtp --out "$dir" >/dev/null || status=1
-    args=(--model "$dir")
-  fi
+  shape_args "$bin" "$s" || { status=1; continue; }
   csv="$out/ncu_$s.csv"
   ncu --clock-control none --csv --page raw --metrics gpu__time_duration.sum "$bin/bench_cuda" "${args[@]}" \
     --profile-steps 1 >"$csv" 2>"$out/ncu_$s.err" || { status=1; tail -3 "$out/ncu_$s.err"; continue; }

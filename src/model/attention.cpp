@@ -96,9 +96,8 @@ void attend_rows_per_kv_head(const float* qg, const KvCache& cache, int64_t p0, 
   // Off whole 8-float vectors a part of the dims would take another kernel than the whole.
   const int64_t dim_tasks = D % 8 == 0 ? (D + kDimsPerTask - 1) / kDimsPerTask : 1;
   std::vector<float> scores(static_cast<size_t>(nkv * queries * max_keys));
-  auto query = [&](int64_t hk, int64_t i) {
-    return &qg[((i / group) * nq + hk * group + i % group) * 2 * D];
-  };
+  // Query i of KV head hk: row i / group of the window, query head hk * group + i % group.
+  auto head_row = [&](int64_t hk, int64_t i) { return (i / group) * nq + hk * group + i % group; };
   auto n_keys = [&](int64_t i) { return p0 + i / group + 1; };
   auto weights = [&](int64_t hk, int64_t i) {
     return &scores[static_cast<size_t>((hk * queries + i) * max_keys)];
@@ -115,7 +114,7 @@ void attend_rows_per_kv_head(const float* qg, const KvCache& cache, int64_t p0, 
       for (int64_t task = 0; task < key_tasks; ++task) {
         const int64_t j0 = task * kKeysPerTask;
         for (int64_t i = 0; i < queries; ++i) {
-          in[static_cast<size_t>(i)] = query(hk, i);
+          in[static_cast<size_t>(i)] = &qg[head_row(hk, i) * 2 * D];
           n[static_cast<size_t>(i)] = std::clamp<int64_t>(n_keys(i) - j0, 0, kKeysPerTask);
           out[static_cast<size_t>(i)] = weights(hk, i) + j0;
         }
@@ -134,7 +133,7 @@ void attend_rows_per_kv_head(const float* qg, const KvCache& cache, int64_t p0, 
         for (int64_t i = 0; i < queries; ++i) {
           w[static_cast<size_t>(i)] = weights(hk, i);
           n[static_cast<size_t>(i)] = n_keys(i);
-          out[static_cast<size_t>(i)] = &o[((i / group) * nq + hk * group + i % group) * D + c0];
+          out[static_cast<size_t>(i)] = &o[head_row(hk, i) * D + c0];
         }
         cpu::weighted_row_sum_multi(w, n, &cache.values[static_cast<size_t>(hk * D + c0)], nkv * D, dims,
                                     out);

@@ -137,6 +137,15 @@ class CudaExecutor final : public DeviceExecutor {
   void run_pass(CudaSequence& seq, int64_t t_count, LogitRows rows, bool record, int64_t vocab,
                 int64_t argmax_limit, TopKRequest top_k, Body&& body) const;
   void set_inputs(CudaSequence& seq, int64_t p0, std::span<const int32_t> tokens) const;
+  // The per-row results of `rows` logit rows: argmax_ and the candidate_ buffers.
+  void allocate_row_results(int64_t rows) const {
+    const auto n = static_cast<size_t>(rows), slots = static_cast<size_t>(rows * kCandidateCap);
+    argmax_ = Buffer(n * sizeof(int32_t));
+    candidate_ids_ = Buffer(slots * sizeof(int32_t));
+    candidate_values_ = Buffer(slots * sizeof(float));
+    candidate_counts_ = Buffer(n * sizeof(int32_t));
+    candidate_scratch_ = Buffer(static_cast<size_t>(cuda::topk_scratch_bytes(rows)));
+  }
 
   ModelConfig config_;
   std::string description_;
@@ -211,11 +220,7 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
   stream_.synchronize();
   ensure_scratch(cuda::kGemmMinRows);
   logits_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * c.vocab_size) * sizeof(float));
-  argmax_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows) * sizeof(int32_t));
-  candidate_ids_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * kCandidateCap) * sizeof(int32_t));
-  candidate_values_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * kCandidateCap) * sizeof(float));
-  candidate_counts_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows) * sizeof(int32_t));
-  candidate_scratch_ = Buffer(static_cast<size_t>(cuda::topk_scratch_bytes(cuda::kGemmMinRows)));
+  allocate_row_results(cuda::kGemmMinRows);
   note_device_usage();
   // MTPX_CUDA_GRAPHS=0 runs every pass launch by launch (for debugging and for measuring what graphs save).
   if (const char* g = std::getenv("MTPX_CUDA_GRAPHS")) use_graphs_ = std::string(g) != "0";
@@ -444,11 +449,7 @@ void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float*
     }
     if (static_cast<size_t>(n_rows) * sizeof(int32_t) > argmax_.bytes()) {  // likewise
       stream_.synchronize();
-      argmax_ = Buffer(static_cast<size_t>(n_rows) * sizeof(int32_t));
-      candidate_ids_ = Buffer(static_cast<size_t>(n_rows * kCandidateCap) * sizeof(int32_t));
-      candidate_values_ = Buffer(static_cast<size_t>(n_rows * kCandidateCap) * sizeof(float));
-      candidate_counts_ = Buffer(static_cast<size_t>(n_rows) * sizeof(int32_t));
-      candidate_scratch_ = Buffer(static_cast<size_t>(cuda::topk_scratch_bytes(n_rows)));
+      allocate_row_results(n_rows);
     }
     cuda::Matrix lm_head = lm_head_;  // the first V rows (a draft vocabulary's prefix, or all of them)
     lm_head.rows = V;

@@ -45,6 +45,15 @@ struct LogitCandidates {
   }
 };
 
+// Whether a device pass reported NaN or Inf logits: an argmax of -1, or a candidates row ending at -1.
+inline bool holds_non_finite(std::span<const int32_t> argmax, const LogitCandidates& candidates) {
+  for (int32_t id : argmax)
+    if (id < 0) return true;
+  for (int64_t end : candidates.offsets)
+    if (end < 0) return true;
+  return false;
+}
+
 class DeviceExecutor {
  public:
   virtual ~DeviceExecutor() = default;

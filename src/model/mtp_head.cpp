@@ -39,10 +39,7 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
     e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, argmax_limit, top_k, result.hidden,
                    result.logits, result.argmax, result.candidates);
     if (rows == LogitRows::kLast) result.hidden.erase(result.hidden.begin(), result.hidden.end() - H);
-    bool non_finite = false;
-    for (int32_t id : result.argmax) non_finite |= id < 0;
-    for (int64_t end : result.candidates.offsets) non_finite |= end < 0;
-    if (non_finite)
+    if (holds_non_finite(result.argmax, result.candidates))
       model.fail_non_finite(fmt::format("in the MTP head's logits at positions {}..{}", p0, p0 + T - 1));
     return;
   }

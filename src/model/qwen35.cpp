@@ -154,10 +154,8 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
     if (state.input_statistics() != nullptr) invalid_input("input statistics are collected on the CPU only");
     executor_->forward(*state.device(), p0, tokens, rows, record_window, argmax_limit, top_k, result.hidden,
                        result.logits, result.argmax, result.candidates);
-    bool non_finite = false;
-    for (int32_t id : result.argmax) non_finite |= id < 0;
-    for (int64_t end : result.candidates.offsets) non_finite |= end < 0;
-    if (non_finite) fail_non_finite(fmt::format("logits at positions {}..{}", p0, p0 + T - 1));
+    if (holds_non_finite(result.argmax, result.candidates))
+      fail_non_finite(fmt::format("logits at positions {}..{}", p0, p0 + T - 1));
     if (record_window) state.set_window(p0, T);
     state.advance(T);
     return;

@@ -280,27 +280,30 @@ __attribute__((target("avx2,fma"))) void dot_rows_avx2(const float* q, const flo
   for (; j < n; ++j) dot_keys_avx2<1>(q, rows + j * stride, stride, d, scale, out + j);
 }
 
-// NV vectors of output dims held in registers across all n rows: out = fma(w_j, row_j, out), j in order.
+// Rows [j0, j1) into NV vectors of 8 output dims held in registers: acc = fma(w_j, row_j, acc), j in
+// order, the accumulators loaded from and stored back to acc_out (so a chain can be cut into key blocks).
 template <int NV>
-__attribute__((target("avx2,fma"))) inline void weighted_block_avx2(const float* weights, const float* rows,
-                                                                    int64_t stride, int64_t n, float* out) {
+__attribute__((target("avx2,fma"))) inline void weighted_keys_avx2(const float* weights, const float* rows,
+                                                                   int64_t stride, int64_t j0, int64_t j1,
+                                                                   float* acc_out) {
   __m256 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(acc_out + 8 * v);
+  for (int64_t j = j0; j < j1; ++j) {
     const __m256 wj = _mm256_set1_ps(weights[j]);
     for (int v = 0; v < NV; ++v)
       acc[v] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(rows + j * stride + 8 * v), acc[v]);
   }
-  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc_out + 8 * v, acc[v]);
 }
 
 __attribute__((target("avx2,fma"))) void weighted_row_sum_avx2(const float* weights, const float* rows,
                                                                int64_t stride, int64_t n, int64_t d,
                                                                float* out) {
   const int64_t d8 = d / 8 * 8;
+  std::fill_n(out, d8, 0.0f);
   int64_t i = 0;
-  for (; i + 64 <= d8; i += 64) weighted_block_avx2<8>(weights, rows + i, stride, n, out + i);
-  for (; i < d8; i += 8) weighted_block_avx2<1>(weights, rows + i, stride, n, out + i);
+  for (; i + 64 <= d8; i += 64) weighted_keys_avx2<8>(weights, rows + i, stride, 0, n, out + i);
+  for (; i < d8; i += 8) weighted_keys_avx2<1>(weights, rows + i, stride, 0, n, out + i);
   for (; i < d; ++i) {
     float s = 0.0f;
     for (int64_t j = 0; j < n; ++j) s += weights[j] * rows[j * stride + i];
@@ -327,24 +330,8 @@ __attribute__((target("avx2,fma"))) void dot_rows_multi_avx2(std::span<const flo
     }
 }
 
-// rows [j0, j1) into NV vectors of 8 dims of one query: acc = fma(w_j, row_j, acc), j in order, the
-// accumulators loaded from and stored back to acc_out (weighted_block_avx2's chains, cut into key blocks).
-template <int NV>
-__attribute__((target("avx2,fma"))) inline void weighted_keys_avx2(const float* weights, const float* rows,
-                                                                   int64_t stride, int64_t j0, int64_t j1,
-                                                                   float* acc_out) {
-  __m256 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(acc_out + 8 * v);
-  for (int64_t j = j0; j < j1; ++j) {
-    const __m256 wj = _mm256_set1_ps(weights[j]);
-    for (int v = 0; v < NV; ++v)
-      acc[v] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(rows + j * stride + 8 * v), acc[v]);
-  }
-  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc_out + 8 * v, acc[v]);
-}
-
 // weighted_row_sum_multi on whole 8-float vectors: blocks of kKeyBlock rows (16 KiB at d = 64, in L1 for
-// the queries after the first), per block and query the chains of weighted_block_avx2 over 64 dims at a
+// the queries after the first), per block and query the chains of weighted_row_sum_avx2 over 64 dims at a
 // time, carried from block to block in `out`.
 __attribute__((target("avx2,fma"))) void weighted_row_sum_multi_avx2(std::span<const float* const> weights,
                                                                      std::span<const int64_t> n,
