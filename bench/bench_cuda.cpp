@@ -53,13 +53,17 @@ int main(int argc, char** argv) {
   int64_t decode_tokens = 128, prefill_tokens = 2048, mtp_tokens = 256;
   double acceptance = 0.8;
   bool json = false;
-  int64_t profile_steps = 0, profile_prefill = 0, draft_vocab = 32768;
+  int64_t profile_steps = 0, profile_rows = 1, profile_prefill = 0, draft_vocab = 32768;
   app.add_option("--shape", shape, "model shape (spec §9)");
   std::string model_dir;
   app.add_option("--model", model_dir,
                  "a checkpoint instead of a synthetic shape (e.g. mtpx synth --shape 9B --bits 4 --mtp)");
-  app.add_option("--profile-steps", profile_steps,
-                 "only run a 32-token prompt and this many decode steps (for a profiler), then exit");
+  app.add_option(
+      "--profile-steps", profile_steps,
+      "only run this many passes (decode steps, or windows of --profile-rows) for a profiler, then exit");
+  app.add_option("--profile-rows", profile_rows,
+                 "rows per profiled pass: 1 is a decode step, more a recorded verify window")
+      ->check(CLI::Range(1, 15));
   app.add_option("--profile-prefill", profile_prefill,
                  "only run one prefill of this many tokens (for a profiler), then exit");
   app.add_option("--decode-tokens", decode_tokens);
@@ -93,9 +97,13 @@ int main(int argc, char** argv) {
       m->use_device("cuda");
       InferenceState st = m->new_state(64 + profile_steps);
       ForwardResult out;
-      std::vector<int32_t> prompt(32, 1);  // decode steps only: every pass is one row
-      for (int64_t i = 0; i < profile_steps; ++i)
-        m->forward(st, std::span(prompt.data(), 1), LogitRows::kLast, out);
+      std::vector<int32_t> prompt(32, 1);
+      const bool window = profile_rows > 1;  // a verify window, rolled back to its first row after each pass
+      for (int64_t i = 0; i < profile_steps; ++i) {
+        m->forward(st, std::span(prompt.data(), static_cast<size_t>(profile_rows)),
+                   window ? LogitRows::kAll : LogitRows::kLast, out, /*record_window=*/window);
+        if (window) m->rollback(st, 1);
+      }
       return 0;
     }
     nlohmann::json report;
@@ -124,7 +132,7 @@ int main(int argc, char** argv) {
     };
 
     // Decode: T = 1 steps after a 32-token prompt.
-    const int64_t capacity = 64 + decode_tokens + prefill_tokens + 9 * 25;  // (c(K) keeps a token per pass)
+    const int64_t capacity = 64 + decode_tokens + prefill_tokens + 9 * 50;  // (c(K) keeps a token per pass)
     InferenceState state = model->new_state(capacity);
     ForwardResult r;
     model->forward(state, ids(32, 1), LogitRows::kLast, r);
@@ -143,12 +151,19 @@ int main(int argc, char** argv) {
     // c(K): a recorded verify window of K+1 rows (all logits) against a recorded one-row pass. The rollback
     // after each (to the window's first token, which keeps the position from running away) is timed apart:
     // a fully accepted window needs none.
-    std::vector<double> c_of_k, rollback_s;
+    // Measured twice: returning every row's logits to the host, and as greedy MTP runs it (each row's argmax
+    // on the device, the logits left there).
+    std::vector<double> c_of_k, rollback_s, c_argmax;
+    const int64_t vocab = model->config().vocab_size;
     for (int64_t k = 0; k <= 8; ++k) {
       const auto window = ids(k + 1, 3 + k);
-      std::vector<double> times, rollback_times;
+      std::vector<double> times, rollback_times, argmax_times;
       for (int rep = 0; rep < 25; ++rep) {
         auto t = Clock::now();
+        model->forward(state, window, LogitRows::kAll, r, /*record_window=*/true, /*argmax_limit=*/vocab);
+        argmax_times.push_back(seconds_since(t));
+        model->rollback(state, 1);
+        t = Clock::now();
         model->forward(state, window, k == 0 ? LogitRows::kLast : LogitRows::kAll, r, /*record_window=*/true);
         times.push_back(seconds_since(t));
         t = Clock::now();
@@ -157,10 +172,15 @@ int main(int argc, char** argv) {
       }
       c_of_k.push_back(median(times));
       rollback_s.push_back(median(rollback_times));
+      c_argmax.push_back(median(argmax_times));
     }
-    nlohmann::json ck = nlohmann::json::object();
-    for (int64_t k = 1; k <= 8; ++k) ck[std::to_string(k)] = c_of_k[static_cast<size_t>(k)] / c_of_k[0];
+    nlohmann::json ck = nlohmann::json::object(), ck_argmax = nlohmann::json::object();
+    for (int64_t k = 1; k <= 8; ++k) {
+      ck[std::to_string(k)] = c_of_k[static_cast<size_t>(k)] / c_of_k[0];
+      ck_argmax[std::to_string(k)] = c_argmax[static_cast<size_t>(k)] / c_argmax[0];
+    }
     report["verify_cost_c"] = ck;
+    report["verify_cost_c_argmax"] = ck_argmax;
     report["decode_step_with_record_ms"] = c_of_k[0] * 1e3;
     report["rollback_k3_to_one_token_ms"] = rollback_s[3] * 1e3;
 

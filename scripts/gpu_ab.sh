@@ -28,8 +28,8 @@ python3 - "$out" "$var" <<'PY'
 import glob, json, os, statistics, sys
 out, var = sys.argv[1], sys.argv[2]
 rows = {}
-print(f"| shape | {var} | round | decode tok/s | fraction of roofline | c(1) | c(3) | c(7) |")
-print("|---|---|---|---|---|---|---|---|")
+print(f"| shape | {var} | round | decode tok/s | fraction of roofline | c(1) | c(3) | c(7) | c(1) / c(3) argmax |")
+print("|---|---|---|---|---|---|---|---|---|")
 for f in sorted(glob.glob(os.path.join(out, f"ab_*_{var}_*.json"))):
     shape, value, rnd = os.path.basename(f)[3:-5].split(f"_{var}_")[0], *os.path.basename(f)[:-5].split("_")[-2:]
     try:
@@ -37,13 +37,16 @@ for f in sorted(glob.glob(os.path.join(out, f"ab_*_{var}_*.json"))):
     except Exception as e:
         print(f"| {shape} | {value} | {rnd} | failed: {e} |"); continue
     c = r["verify_cost_c"]
+    ca = r.get("verify_cost_c_argmax", {"1": 0, "3": 0})
     rows.setdefault((shape, value), []).append(r)
     print(f"| {shape} | {value} | {rnd} | {r['decode_tok_s']:.1f} | {r['decode_fraction_of_roofline']:.3f} | "
-          f"{c['1']:.3f} | {c['3']:.3f} | {c['7']:.3f} |")
-print(f"\nmedians\n| shape | {var} | decode tok/s | fraction | c(1) | c(3) |\n|---|---|---|---|---|---|")
+          f"{c['1']:.3f} | {c['3']:.3f} | {c['7']:.3f} | {ca['1']:.3f} / {ca['3']:.3f} |")
+print(f"\nmedians\n| shape | {var} | decode tok/s | fraction | c(1) | c(3) | c(1) argmax | c(3) argmax |\n|---|---|---|---|---|---|---|---|")
 for (shape, value), rs in sorted(rows.items()):
     med = lambda f: statistics.median(f(r) for r in rs)
     print(f"| {shape} | {value} | {med(lambda r: r['decode_tok_s']):.1f} | "
           f"{med(lambda r: r['decode_fraction_of_roofline']):.3f} | {med(lambda r: r['verify_cost_c']['1']):.3f} | "
-          f"{med(lambda r: r['verify_cost_c']['3']):.3f} |")
+          f"{med(lambda r: r['verify_cost_c']['3']):.3f} | "
+          f"{med(lambda r: r.get('verify_cost_c_argmax', {}).get('1', 0)):.3f} | "
+          f"{med(lambda r: r.get('verify_cost_c_argmax', {}).get('3', 0)):.3f} |")
 PY

@@ -23,6 +23,8 @@ if [ "$bin" != build ] && [ ! -e build/mtpx ]; then mkdir -p build && ln -s "$(r
 # affine.cu); the quantized tests run again with float activations on both sides.
 "$bin/mtpx_tests" --gtest_filter='Cuda*:*CudaFixture*:*CudaQuantized*' --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" || status=1
 MTPX_AFFINE_ACTIVATIONS=f32 "$bin/mtpx_tests" --gtest_filter='*CudaQuantized*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
+# bf16 rows run on tensor cores by default (kernels.cu, bf16_tile_rows); the bf16 tests run again on the FMA kernel.
+MTPX_BF16_ROWS=fma "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 passed=$(grep -c '^\[       OK \]' "$out/gpu_tests.log" || true)
 failed=$(grep -c '^\[  FAILED  \]' "$out/gpu_tests.log" || true)
 passed=$(grep -oP '\[  PASSED  \] \K[0-9]+' "$out/gpu_tests.log" | awk '{s += $1} END {print s + 0}')
@@ -38,8 +40,8 @@ python3 - "$out" "$passed" "$failed" $shapes <<'PY'
 import json, sys, os
 out, passed, failed, shapes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 print(f"\nGPU tests: {passed} passed, {failed} failed")
-print("| shape | copy GB/s | decode tok/s | roofline tok/s | fraction | c(1) | c(3) | c(7) | prefill tok/s | prefill / GEMM | MTP best (K) | MTP best, draft vocab (K) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| shape | copy GB/s | decode tok/s | roofline tok/s | fraction | c(1) | c(3) | c(7) | c(1) / c(3) argmax | prefill tok/s | prefill / GEMM | MTP best (K) | MTP best, draft vocab (K) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for s in shapes:
     p = os.path.join(out, f"bench_{s}.json")
     try:
@@ -47,11 +49,13 @@ for s in shapes:
     except Exception as e:
         print(f"| {s} | failed: {e} |"); continue
     c = r["verify_cost_c"]
+    ca = r.get("verify_cost_c_argmax", {"1": 0, "3": 0})
     best = max(r.get("mtp_synthetic", {}).get("rows", [{"speedup": 0, "draft": 0}]), key=lambda x: x["speedup"])
     vocab = r.get("mtp_synthetic_draft_vocab", {})
     best_vocab = max(vocab.get("rows", [{"speedup": 0, "draft": 0}]), key=lambda x: x["speedup"])
     print(f"| {s} | {r['copy_bandwidth_GBs']:.0f} | {r['decode_tok_s']:.1f} | {r['roofline_tok_s']:.1f} | "
           f"{r['decode_fraction_of_roofline']:.2f} | {c['1']:.3f} | {c['3']:.3f} | {c['7']:.3f} | "
+          f"{ca['1']:.3f} / {ca['3']:.3f} | "
           f"{r.get('prefill_tok_s', 0):.0f} | {r.get('prefill_fraction_of_gemm', 0):.2f} | "
           f"{best['speedup']:.2f}x (K={best['draft']}) | "
           f"{best_vocab['speedup']:.2f}x (K={best_vocab['draft']}, {vocab.get('draft_vocab', '-')}) |")

@@ -2,24 +2,25 @@
 # Where one decode step's GPU time goes, per kernel, for each shape (for the GPU machine): Nsight Compute
 # times every kernel of one step (clocks left alone), bench/ncu_breakdown.py sums them per kernel.
 #
-#   scripts/gpu_profile.sh BIN_DIR ["SHAPES"]       e.g. scripts/gpu_profile.sh /tmp/g/bin "0.8B 9B 9B-q4"
+#   scripts/gpu_profile.sh BIN_DIR ["SHAPES"] [ROWS]   e.g. scripts/gpu_profile.sh /tmp/g/bin "0.8B 9B 9B-q4"
 #
+# ROWS (default 1) > 1 profiles a recorded verify window of that many rows instead of a decode step.
 # BIN_DIR holds bench_cuda and mtpx (and lib/ with their shared libraries); shapes as gpu_shapes.sh names
 # them (9B-q4 included). The CSVs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_shapes.sh
-bin=$1 shapes=${2:-"0.8B 9B 9B-q4"}
+bin=$1 shapes=${2:-"0.8B 9B 9B-q4"} rows=${3:-1}
 out=${OUT:-/tmp/gpu_profile}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}"
 status=0
 for s in $shapes; do
   shape_args "$bin" "$s" || { status=1; continue; }
-  csv="$out/ncu_$s.csv"
+  csv="$out/ncu_${s}_rows$rows.csv"
   ncu --clock-control none --csv --page raw --metrics gpu__time_duration.sum "$bin/bench_cuda" "${args[@]}" \
-    --profile-steps 1 >"$csv" 2>"$out/ncu_$s.err" || { status=1; tail -3 "$out/ncu_$s.err"; continue; }
-  echo "== $s"
+    --profile-steps 1 --profile-rows "$rows" >"$csv" 2>"$out/ncu_$s.err" || { status=1; tail -3 "$out/ncu_$s.err"; continue; }
+  echo "== $s, $rows row(s) per pass"
   python3 bench/ncu_breakdown.py "$csv" | head -16 || status=1
 done
 exit $status

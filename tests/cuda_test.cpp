@@ -9,10 +9,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <string>
 
 #include "backend/cpu/ops.h"
 #include "backend/cpu/quant_matmul.h"
+#if MTPX_HAVE_CUDA
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/runtime.h"
+#endif
 #include "cli_util.h"
 #include "decode/generate.h"
 #include "io/json_file.h"
@@ -22,6 +27,7 @@
 #include "test_paths.h"
 #include "tools/checkpoint.h"
 #include "tools/quantize.h"
+#include "util/bf16.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -406,6 +412,107 @@ TEST(Cuda, DeviceMemoryIsReported) {
   const auto c = testing_util::run("generate --prompt \"def f():\" --max-tokens 4 --json");
   EXPECT_FALSE(nlohmann::json::parse(c.out)["stats"].contains("gpu_weight_bytes"));
 }
+
+#if MTPX_HAVE_CUDA
+// The bf16 row kernels (tensor-core tiles where cols is a multiple of 64, the FMA kernel elsewhere) against a
+// double reference, and each activation row bitwise the same whatever the number of rows launched with it
+// (what makes greedy MTP lossless): a group of two stored products, the residual update and SwiGLU, with
+// weight row counts that are not multiples of the 16-row tile.
+TEST(Cuda, Bf16RowProductsAreAccurateAndBatchInvariant) {
+  if (const std::string why = cuda::unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+  const cuda::Stream stream;
+  const cuda::Workspace ws{stream.handle(), stream.cublas(), nullptr, nullptr};
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  constexpr int64_t kMaxM = cuda::kGemmMinRows - 1;
+  struct Shape {
+    int64_t rows, cols;
+  };
+  for (const Shape shape : {Shape{40, 256}, Shape{16, 128}, Shape{7, 64}, Shape{33, 72}}) {
+    const int64_t R = shape.rows, C = shape.cols;
+    SCOPED_TRACE(std::to_string(R) + " x " + std::to_string(C));
+    // Matrices 0 and 1 (the group; gate and up for SwiGLU), bf16 values kept as doubles for the reference.
+    std::vector<cuda::Buffer> weights;
+    std::vector<std::vector<double>> w(2, std::vector<double>(static_cast<size_t>(R * C)));
+    cuda::Matrix mats[2];
+    for (int i = 0; i < 2; ++i) {
+      std::vector<uint16_t> bits(static_cast<size_t>(R * C));
+      for (size_t e = 0; e < bits.size(); ++e) {
+        bits[e] = f32_to_bf16(0.05f * normal(rng));
+        w[i][e] = bf16_to_f32(bits[e]);
+      }
+      weights.emplace_back(bits.size() * sizeof(uint16_t));
+      stream.to_device(weights.back().data(), bits.data(), bits.size() * sizeof(uint16_t));
+      mats[i] = cuda::Matrix{cuda::Dtype::kBF16, weights.back().data(), R, C};
+    }
+    // Activations spanning magnitudes (the kernels split each float into two bf16 terms).
+    std::vector<float> x(static_cast<size_t>(kMaxM * C)), y0(static_cast<size_t>(kMaxM * R));
+    for (float& v : x) v = normal(rng) * (normal(rng) > 1.5f ? 300.0f : 1.0f);
+    for (float& v : y0) v = normal(rng);
+    cuda::Buffer x_dev(x.size() * sizeof(float)),
+        y_dev[2] = {cuda::Buffer(y0.size() * sizeof(float)), cuda::Buffer(y0.size() * sizeof(float))};
+    stream.to_device(x_dev.data(), x.data(), x.size() * sizeof(float));
+    auto dot = [&](int i, int64_t m, int64_t r, double& magnitude) {
+      double sum = 0;
+      magnitude = 0;
+      for (int64_t k = 0; k < C; ++k) {
+        const double p = w[i][static_cast<size_t>(r * C + k)] * x[static_cast<size_t>(m * C + k)];
+        sum += p, magnitude += std::fabs(p);
+      }
+      return sum;
+    };
+    auto silu = [](double v) { return v / (1 + std::exp(-v)); };
+    for (const std::string mode : {"group", "accumulate", "swiglu"}) {
+      SCOPED_TRACE(mode);
+      std::vector<float> widest;  // the outputs of a kMaxM-row launch
+      for (int64_t M : {kMaxM, int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}, int64_t{9}}) {
+        stream.to_device(y_dev[0].data(), y0.data(), y0.size() * sizeof(float));
+        float* const ys[2] = {y_dev[0].as<float>(), y_dev[1].as<float>()};
+        if (mode == "group")
+          cuda::matmul_group(mats, ys, 2, x_dev.as<float>(), M, ws);
+        else if (mode == "accumulate")
+          cuda::matmul(mats[0], x_dev.as<float>(), M, ys[0], /*accumulate=*/true, ws);
+        else
+          cuda::matmul_swiglu(mats[0], mats[1], x_dev.as<float>(), M, ys[0], ys[1], ws);
+        std::vector<float> y(static_cast<size_t>(M * R) * (mode == "group" ? 2 : 1));
+        stream.to_host(y.data(), y_dev[0].data(), static_cast<size_t>(M * R) * sizeof(float));
+        if (mode == "group")
+          stream.to_host(y.data() + M * R, y_dev[1].data(), static_cast<size_t>(M * R) * sizeof(float));
+        stream.synchronize();
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t r = 0; r < R; ++r) {
+            const size_t at = static_cast<size_t>(m * R + r);
+            double want = 0, tolerance = 0, mag0 = 0, mag1 = 0;
+            const double d0 = dot(0, m, r, mag0);
+            if (mode == "group") {
+              want = d0, tolerance = 5e-5 * mag0;
+              const double d1 = dot(1, m, r, mag1);
+              const float got1 = y[static_cast<size_t>(M * R) + at];
+              EXPECT_NEAR(got1, d1, 5e-5 * mag1 + 1e-6) << "matrix 1, row " << m << ", feature " << r;
+            } else if (mode == "accumulate") {
+              want = y0[at] + d0, tolerance = 5e-5 * mag0 + 1e-6 * std::fabs(y0[at]);
+            } else {
+              const double up = dot(1, m, r, mag1);
+              want = silu(d0) * up,
+              tolerance = 5e-5 * (1.1 * mag0 * std::fabs(up) + std::fabs(silu(d0)) * mag1);
+            }
+            EXPECT_NEAR(y[at], want, tolerance + 1e-6) << "row " << m << ", feature " << r;
+          }
+        if (M == kMaxM) {
+          widest = y;
+          continue;
+        }
+        for (int64_t m = 0; m < M; ++m)  // row m as in the widest launch, bit for bit
+          for (int out = 0; out < (mode == "group" ? 2 : 1); ++out)
+            ASSERT_EQ(0,
+                      std::memcmp(&y[static_cast<size_t>(out * M * R + m * R)],
+                                  &widest[static_cast<size_t>(out * kMaxM * R + m * R)], R * sizeof(float)))
+                << M << " rows launched: row " << m << ", output " << out;
+      }
+    }
+  }
+}
+#endif
 
 TEST(Cuda, ContextOverflowAndForeignStatesAreClearErrors) {
   MTPX_GPU_MODEL(m, kDefaultModel);

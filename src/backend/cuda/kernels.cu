@@ -126,6 +126,189 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   finish_rows<M, MODE, R>(acc, g, j, row0, per_matrix, lane);
 }
 
+// ---- bf16 rows on tensor cores: mma.sync m16n8k16, bf16 operands, float32 accumulation (PTX ISA, "Matrix
+// Fragments for mma.m16n8k16 with floating point type"). A block takes 16 weight rows (the A operand; 16
+// gate and 16 up rows for SwiGLU) against up to 8 activation rows per n-tile (B); its 8 warps split k:
+// warp w takes the 64-wide k-blocks w, w + 8, ... Lane (g = lane / 4, q = lane % 4) loads 32 contiguous
+// bytes of weight rows g and g + 8 and 16 floats of activation row g at k + 16q, and the four k-steps of
+// a block use its words 2s and 2s + 1 as A's k-slots (2q, 2q + 1) and (2q + 8, 2q + 9), and B's the same:
+// a dot product may take its k in any order as long as A and B agree, so no shuffle or shared-memory
+// staging is needed. The float32 activations enter as x = hi + lo, both bf16 (two products, as the prefill
+// GEMMs do: ~16 bits of x kept). The warps' partial tiles are summed in warp order through shared memory.
+// Why: the FMA kernel spends 1 + M instructions per weight, and a verify window of 4 rows cost 1.27x a
+// decode step on the 9B shape; an mma takes 16 x 16 weights for all 8 columns at once. Measured on the
+// H200 (BENCHMARKS.md, session 15): 9B c(3) 1.27 -> 1.10, c(7) 2.0 -> 1.33, decode 161 -> 169 tok/s
+// (MTPX_BF16_ROWS=fma switches back to the FMA kernel). Batch-invariant:
+// activation row m is B's column m, which no other column touches, with the same instructions, k order
+// and warp order for any row count.
+constexpr int kTileRows = 16;  // weight rows per mma tile
+constexpr int kTileK = 64;     // k per warp step: 32 bytes of a weight row per lane, four mma k-steps
+
+struct TileGroup {
+  const __nv_bfloat16* w[kMaxGroup];
+  float* y[kMaxGroup];
+  int rows[kMaxGroup];
+  int blocks_before[kMaxGroup + 1];  // prefix sums of each matrix's tile count
+  int count;
+  int cols;
+  uint32_t prefetch_bytes;  // of each row, before griddep_wait (device_math.cuh)
+};
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// (a, b) as a bf16 pair rounded to nearest (a in the low half: the lower k), and the remainders likewise.
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(a - __low2float(h), b - __high2float(h));
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+template <int NT, int MODE, int U>  // NT n-tiles of 8 activation rows; U k-blocks in flight per warp
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    bf16_tile_rows(const TileGroup g, const float* __restrict__ x, int m_count) {
+  constexpr int kTiles = MODE == kSwiglu ? 2 : 1;
+  __shared__ float partial[kGemvWarps][kTiles][NT][4][32];  // each warp's accumulator fragments
+  const int block = blockIdx.x;
+  int j = 0;
+  while (block >= g.blocks_before[j + 1]) ++j;
+  const int row0 = (block - g.blocks_before[j]) * kTileRows, rows = g.rows[j], cols = g.cols;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
+  const __nv_bfloat16* w_lo[kTiles];  // row g of each tile (past the end: the last row, not stored)
+  const __nv_bfloat16* w_hi[kTiles];  // row g + 8
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+    const __nv_bfloat16* w = g.w[MODE == kSwiglu ? t : j];
+    w_lo[t] = w + static_cast<size_t>(min(row0 + grp, rows - 1)) * cols + 16 * quad;
+    w_hi[t] = w + static_cast<size_t>(min(row0 + grp + 8, rows - 1)) * cols + 16 * quad;
+  }
+  if (warp == 0 && lane < kTiles * kTileRows) {
+    const __nv_bfloat16* w = g.w[MODE == kSwiglu ? lane / kTileRows : j];
+    prefetch_l2(w + static_cast<size_t>(min(row0 + lane % kTileRows, rows - 1)) * cols, g.prefetch_bytes);
+  }
+  griddep_wait();
+  griddep_launch_dependents();
+  float acc[kTiles][NT][4];
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[t][n][c] = 0.0f;
+  const int k_blocks = cols / kTileK;
+  // U k-blocks per pass, all their loads issued before the first mma (past the end: not loaded, zero).
+  for (int kb0 = warp; kb0 < k_blocks; kb0 += U * kGemvWarps) {
+    uint4 a_lo[U][kTiles][2], a_hi[U][kTiles][2];
+    float4 xv[U][NT][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kb = kb0 + u * kGemvWarps, k = kb * kTileK;
+      const bool in = kb < k_blocks;
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        a_lo[u][t][0] = in ? __ldg(reinterpret_cast<const uint4*>(w_lo[t] + k)) : zero;
+        a_lo[u][t][1] = in ? __ldg(reinterpret_cast<const uint4*>(w_lo[t] + k + 8)) : zero;
+        a_hi[u][t][0] = in ? __ldg(reinterpret_cast<const uint4*>(w_hi[t] + k)) : zero;
+        a_hi[u][t][1] = in ? __ldg(reinterpret_cast<const uint4*>(w_hi[t] + k + 8)) : zero;
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int m = n * 8 + grp;
+        const float4* xm = reinterpret_cast<const float4*>(x + static_cast<size_t>(m) * cols + k + 16 * quad);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xv[u][n][i] = in && m < m_count ? xm[i] : make_float4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (kb0 + u * kGemvWarps >= k_blocks) break;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        uint32_t bh[8], bl[8];  // word i: activation values 2i, 2i + 1 of the lane's 16
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          split_pair(xv[u][n][i].x, xv[u][n][i].y, bh[2 * i], bl[2 * i]);
+          split_pair(xv[u][n][i].z, xv[u][n][i].w, bh[2 * i + 1], bl[2 * i + 1]);
+        }
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+          const uint4 l0 = a_lo[u][t][0], l1 = a_lo[u][t][1], h0 = a_hi[u][t][0], h1 = a_hi[u][t][1];
+          const uint32_t lo[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+          const uint32_t hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            mma_bf16(acc[t][n], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], bh[2 * s], bh[2 * s + 1]);
+            mma_bf16(acc[t][n], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], bl[2 * s], bl[2 * s + 1]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) partial[warp][t][n][c][lane] = acc[t][n][c];
+  __syncthreads();
+  // Output (row r of the tile, activation row m), consecutive threads on consecutive rows. Fragment
+  // element c of lane (g, q) holds row g + 8 (c / 2), column 2q + c % 2.
+  for (int o = threadIdx.x; o < kTileRows * 8 * NT; o += blockDim.x) {
+    const int r = o % kTileRows, m = o / kTileRows;
+    if (m >= m_count || row0 + r >= rows) continue;
+    const int n = m / 8, frag_lane = (r % 8) * 4 + (m % 8) / 2, c = (r / 8) * 2 + m % 2;
+    float v[kTiles];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kGemvWarps; ++w) sum += partial[w][t][n][c][frag_lane];
+      v[t] = sum;
+    }
+    float* out = g.y[j] + static_cast<size_t>(m) * rows + row0 + r;
+    if constexpr (MODE == kSwiglu)
+      *out = silu(v[0]) * v[kTiles - 1];
+    else if constexpr (MODE == kAccumulate)
+      *out += v[0];
+    else
+      *out = v[0];
+  }
+}
+
+template <int MODE>
+void launch_bf16_tiles(const GemvGroup<__nv_bfloat16>& rows_group, const float* x, int64_t m,
+                       cudaStream_t s) {
+  TileGroup g{};
+  g.count = rows_group.count;
+  g.cols = rows_group.cols;
+  g.prefetch_bytes = rows_group.prefetch_bytes;
+  g.blocks_before[0] = 0;
+  for (int i = 0; i < (MODE == kSwiglu ? 2 : g.count); ++i) g.w[i] = rows_group.w[i];
+  for (int i = 0; i < g.count; ++i) {
+    g.y[i] = rows_group.y[i];
+    g.rows[i] = rows_group.rows[i];
+    g.blocks_before[i + 1] = g.blocks_before[i] + (g.rows[i] + kTileRows - 1) / kTileRows;
+  }
+  const auto blocks = static_cast<unsigned>(g.blocks_before[g.count]);
+  const int mc = static_cast<int>(m);
+  // k-blocks in flight per warp, measured on the 9B shape (H200, BENCHMARKS.md session 15): 4 for one tile
+  // (169 against 160 tok/s with 2, 162 with 8: 255 registers), 2 for SwiGLU's two tiles (the same bytes).
+  if (m <= 8) {
+    if constexpr (MODE == kSwiglu)
+      return launch_pdl(bf16_tile_rows<1, MODE, 2>, blocks, kGemvWarps * 32, 0, s, g, x, mc);
+    else
+      return launch_pdl(bf16_tile_rows<1, MODE, 4>, blocks, kGemvWarps * 32, 0, s, g, x, mc);
+  }
+  return launch_pdl(bf16_tile_rows<2, MODE, 2>, blocks, kGemvWarps * 32, 0, s, g, x, mc);
+}
+
 // Any shape (cols not a multiple of 8, unaligned data): one weight row per warp, lane l reduces
 // k = l, l + 32, ...  (same mapping for every M: batch-invariant too).
 template <typename W, int MODE>
@@ -176,6 +359,9 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
   g.warps_before[0] = 0;
   for (int i = 0; i < g.count; ++i)
     g.warps_before[i + 1] = g.warps_before[i] + (g.rows[i] + per_warp - 1) / per_warp;
+  if constexpr (std::is_same_v<W, __nv_bfloat16>)
+    if (aligned && g.cols % kTileK == 0 && m <= 2 * 8 && bf16_tensor_rows())
+      return launch_bf16_tiles<MODE>(g, x, m, s);
   const unsigned blocks = blocks_for(g.warps_before[g.count], kGemvWarps);
   if (!aligned) {
     gemv_rows_scalar<W, MODE><<<blocks, kGemvWarps * 32, 0, s>>>(g, x, static_cast<int>(m));
@@ -251,6 +437,42 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t x_stride, c
   ss = block_sum(ss, scratch);
   const float scale = 1.0f / sqrtf(ss / static_cast<float>(n) + eps);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) o[i] = (xr[i] * scale) * w[i];
+}
+
+// The same with the row in registers: each thread loads its V float4 of x and of the weight at once, so
+// the row costs one memory round trip, not two (x again and w after the reduction). Measured on the H200
+// (BENCHMARKS.md, session 15): 0.8B decode 660 against 623 tok/s, 9B 172 against 170.
+template <int V>
+__global__ void rms_norm_regs_kernel(const float* __restrict__ x, int64_t x_stride,
+                                     const float* __restrict__ w, float eps, int n, float* out,
+                                     int64_t out_stride) {
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
+  __shared__ float scratch[32];
+  const float4* xr = reinterpret_cast<const float4*>(x + blockIdx.x * x_stride);
+  const float4* wr = reinterpret_cast<const float4*>(w);
+  float4* o = reinterpret_cast<float4*>(out + blockIdx.x * out_stride);
+  const int n4 = n / 4;
+  float4 xv[V], wv[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const int i = threadIdx.x + v * blockDim.x;
+    xv[v] = i < n4 ? xr[i] : make_float4(0, 0, 0, 0);
+    wv[v] = i < n4 ? wr[i] : make_float4(0, 0, 0, 0);
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+    ss = fmaf(xv[v].x, xv[v].x, ss), ss = fmaf(xv[v].y, xv[v].y, ss), ss = fmaf(xv[v].z, xv[v].z, ss),
+    ss = fmaf(xv[v].w, xv[v].w, ss);
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / static_cast<float>(n) + eps);
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const int i = threadIdx.x + v * blockDim.x;
+    if (i < n4)
+      o[i] = make_float4((xv[v].x * scale) * wv[v].x, (xv[v].y * scale) * wv[v].y,
+                         (xv[v].z * scale) * wv[v].z, (xv[v].w * scale) * wv[v].w);
+  }
 }
 
 __global__ void add_kernel(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
@@ -962,7 +1184,20 @@ void embed_rows(const Matrix& table, const int32_t* tokens, int64_t t_count, flo
 
 void rms_norm_rows(const float* x, int64_t x_stride, const float* weight, float eps, int64_t rows, int64_t n,
                    float* out, int64_t out_stride, void* stream) {
-  // One block per row, up to 1024 threads: a decode row (one block) is latency-bound, so use many lanes.
+  // One block per row. In registers (4 float4 per thread) where the row and its strides allow it.
+  constexpr int kV = 4;
+  const bool vectors = n % 4 == 0 && x_stride % 4 == 0 && out_stride % 4 == 0 &&
+                       reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(weight) % 16 == 0 && n <= 1024 * 4 * kV;
+  if (vectors) {
+    const int threads = std::max(32, static_cast<int>((n / 4 + kV - 1) / kV + 31) / 32 * 32);
+    rms_norm_regs_kernel<kV><<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(
+        x, x_stride, weight, eps, static_cast<int>(n), out, out_stride);
+    check_launch("rms_norm_rows");
+    return;
+  }
+  // Else up to 1024 threads: a decode row (one block) is latency-bound, so use many lanes.
   const int threads = n >= 4096 ? 1024 : n >= 1024 ? 256 : 128;
   rms_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(x, x_stride, weight, eps, n,
                                                                                   out, out_stride);

@@ -196,6 +196,14 @@ bool affine_int8_activations() {
   return enabled;
 }
 
+bool bf16_tensor_rows() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("MTPX_BF16_ROWS");
+    return v == nullptr || std::string(v) != "fma";
+  }();
+  return enabled;
+}
+
 int multiprocessor_count() {
   static const int count = [] {
     int device = 0, n = 0;

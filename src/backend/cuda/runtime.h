@@ -104,6 +104,10 @@ bool pdl_enabled();
 // (quant_matmul.h): unless the environment sets MTPX_AFFINE_ACTIVATIONS=f32. Read once.
 bool affine_int8_activations();
 
+// Whether bf16 decode and verify rows run on tensor cores (kernels.cu, bf16_tile_rows): unless the
+// environment sets MTPX_BF16_ROWS=fma (the FMA kernel). Read once.
+bool bf16_tensor_rows();
+
 // The current device's streaming multiprocessors. Read once.
 int multiprocessor_count();
 
