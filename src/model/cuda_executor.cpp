@@ -408,23 +408,22 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
     DeviceDelta& d = seq.delta[static_cast<size_t>(li)];
     const int64_t conv = c.conv_dim(), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
     const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+    // A recorded window's projections, conv output, g and beta go straight into the sequence's window
+    // buffers, which rollback replays from (copying them there cost 4 copies per layer in each window).
+    float* const qkv = record ? d.qkv.as<float>() : s.qkv.as<float>();
+    float* const xconv = record ? d.x.as<float>() : s.xconv.as<float>();
+    float* const g = record ? d.g.as<float>() : s.g.as<float>();
+    float* const beta = record ? d.beta.as<float>() : s.beta.as<float>();
     const Matrix in[4] = {n.in_proj_qkv, n.in_proj_z, n.in_proj_b, n.in_proj_a};
-    float* const in_out[4] = {s.qkv.as<float>(), s.z.as<float>(), s.b.as<float>(), s.a.as<float>()};
+    float* const in_out[4] = {qkv, s.z.as<float>(), s.b.as<float>(), s.a.as<float>()};
     cuda::matmul_group(in, in_out, 4, normed, T, workspace());
-    cuda::deltanet_conv(s.qkv.as<float>(), d.conv.as<float>(), n.conv1d, T, conv, c.linear_conv_kernel_dim,
-                        s.xconv.as<float>(), record ? d.conv_before.as<float>() : nullptr, st);
-    cuda::deltanet_prepare(s.xconv.as<float>(), s.b.as<float>(), s.a.as<float>(), n.a_log, n.dt_bias, T, hk,
-                           hv, dk, conv, s.beta.as<float>(), s.g.as<float>(), st);
-    if (record) {
-      const size_t rows = static_cast<size_t>(T);
-      stream_.device_copy(d.qkv.data(), s.qkv.data(), rows * static_cast<size_t>(conv) * sizeof(float));
-      stream_.device_copy(d.x.data(), s.xconv.data(), rows * static_cast<size_t>(conv) * sizeof(float));
-      stream_.device_copy(d.g.data(), s.g.data(), rows * static_cast<size_t>(hv) * sizeof(float));
-      stream_.device_copy(d.beta.data(), s.beta.data(), rows * static_cast<size_t>(hv) * sizeof(float));
-    }
-    cuda::delta_rule(s.xconv.as<float>(), s.g.as<float>(), s.beta.as<float>(), d.ssm.as<float>(),
-                     d.ssm.as<float>(), record ? d.ssm_before.as<float>() : nullptr, s.dn_o.as<float>(), T,
-                     hk, hv, dk, dv, conv, st);
+    cuda::deltanet_conv(qkv, d.conv.as<float>(), n.conv1d, T, conv, c.linear_conv_kernel_dim, xconv,
+                        record ? d.conv_before.as<float>() : nullptr, st);
+    cuda::deltanet_prepare(xconv, s.b.as<float>(), s.a.as<float>(), n.a_log, n.dt_bias, T, hk, hv, dk, conv,
+                           beta, g, st);
+    cuda::delta_rule(xconv, g, beta, d.ssm.as<float>(), d.ssm.as<float>(),
+                     record ? d.ssm_before.as<float>() : nullptr, s.dn_o.as<float>(), T, hk, hv, dk, dv, conv,
+                     st);
     cuda::gated_rms_norm(s.dn_o.as<float>(), s.z.as<float>(), n.norm, eps, T * hv, dv, st);
     mm(n.out_proj, s.dn_o.as<float>(), T, x, /*accumulate=*/true);  // x += out_proj(o)
   }
