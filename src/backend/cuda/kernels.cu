@@ -70,7 +70,7 @@ struct GemvGroup {
   const W* w[kMaxGroup];
   float* y[kMaxGroup];
   int rows[kMaxGroup];
-  int warps_before[kMaxGroup + 1];  // prefix sums of each matrix's warp count
+  int tasks_before[kMaxGroup + 1];  // prefix sums of each matrix's tasks (gemv_rows: warps; tiles: blocks)
   int count;
   int cols;
   uint32_t prefetch_bytes;  // of each row, before griddep_wait (device_math.cuh)
@@ -80,11 +80,11 @@ template <typename W, int M, int MODE, int R>  // R weight rows per warp (swiglu
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_rows(const GemvGroup<W> g, const float* __restrict__ x) {
   const int warp = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (warp >= g.warps_before[g.count]) return;
+  if (warp >= g.tasks_before[g.count]) return;
   int j = 0;
-  while (warp >= g.warps_before[j + 1]) ++j;
+  while (warp >= g.tasks_before[j + 1]) ++j;
   const int per_matrix = MODE == kSwiglu ? R / 2 : R;
-  const int row0 = (warp - g.warps_before[j]) * per_matrix;
+  const int row0 = (warp - g.tasks_before[j]) * per_matrix;
   const int cols = g.cols;
   const W* wr[R];
 #pragma unroll
@@ -144,16 +144,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 constexpr int kTileRows = 16;  // weight rows per mma tile
 constexpr int kTileK = 64;     // k per warp step: 32 bytes of a weight row per lane, four mma k-steps
 
-struct TileGroup {
-  const __nv_bfloat16* w[kMaxGroup];
-  float* y[kMaxGroup];
-  int rows[kMaxGroup];
-  int blocks_before[kMaxGroup + 1];  // prefix sums of each matrix's tile count
-  int count;
-  int cols;
-  uint32_t prefetch_bytes;  // of each row, before griddep_wait (device_math.cuh)
-};
-
 __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -172,13 +162,13 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint3
 
 template <int NT, int MODE, int U>  // NT n-tiles of 8 activation rows; U k-blocks in flight per warp
 __global__ void __launch_bounds__(kGemvWarps * 32)
-    bf16_tile_rows(const TileGroup g, const float* __restrict__ x, int m_count) {
+    bf16_tile_rows(const GemvGroup<__nv_bfloat16> g, const float* __restrict__ x, int m_count) {
   constexpr int kTiles = MODE == kSwiglu ? 2 : 1;
   __shared__ float partial[kGemvWarps][kTiles][NT][4][32];  // each warp's accumulator fragments
   const int block = blockIdx.x;
   int j = 0;
-  while (block >= g.blocks_before[j + 1]) ++j;
-  const int row0 = (block - g.blocks_before[j]) * kTileRows, rows = g.rows[j], cols = g.cols;
+  while (block >= g.tasks_before[j + 1]) ++j;
+  const int row0 = (block - g.tasks_before[j]) * kTileRows, rows = g.rows[j], cols = g.cols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const __nv_bfloat16* w_lo[kTiles];  // row g of each tile (past the end: the last row, not stored)
   const __nv_bfloat16* w_hi[kTiles];  // row g + 8
@@ -283,20 +273,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 }
 
 template <int MODE>
-void launch_bf16_tiles(const GemvGroup<__nv_bfloat16>& rows_group, const float* x, int64_t m,
-                       cudaStream_t s) {
-  TileGroup g{};
-  g.count = rows_group.count;
-  g.cols = rows_group.cols;
-  g.prefetch_bytes = rows_group.prefetch_bytes;
-  g.blocks_before[0] = 0;
-  for (int i = 0; i < (MODE == kSwiglu ? 2 : g.count); ++i) g.w[i] = rows_group.w[i];
-  for (int i = 0; i < g.count; ++i) {
-    g.y[i] = rows_group.y[i];
-    g.rows[i] = rows_group.rows[i];
-    g.blocks_before[i + 1] = g.blocks_before[i] + (g.rows[i] + kTileRows - 1) / kTileRows;
-  }
-  const auto blocks = static_cast<unsigned>(g.blocks_before[g.count]);
+void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cudaStream_t s) {
+  for (int i = 0; i < g.count; ++i)  // a task per 16-row tile
+    g.tasks_before[i + 1] = g.tasks_before[i] + (g.rows[i] + kTileRows - 1) / kTileRows;
+  const auto blocks = static_cast<unsigned>(g.tasks_before[g.count]);
   const int mc = static_cast<int>(m);
   // k-blocks in flight per warp, measured on the 9B shape (H200, BENCHMARKS.md session 15): 4 for one tile
   // (169 against 160 tok/s with 2, 162 with 8: 255 registers), 2 for SwiGLU's two tiles (the same bytes).
@@ -315,10 +295,10 @@ template <typename W, int MODE>
 __global__ void gemv_rows_scalar(const GemvGroup<W> g, const float* __restrict__ x, int m_count) {
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int warp = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (warp >= g.warps_before[g.count]) return;
+  if (warp >= g.tasks_before[g.count]) return;
   int j = 0;
-  while (warp >= g.warps_before[j + 1]) ++j;
-  const int r = warp - g.warps_before[j];
+  while (warp >= g.tasks_before[j + 1]) ++j;
+  const int r = warp - g.tasks_before[j];
   const int cols = g.cols, rows = g.rows[j];
   for (int m = 0; m < m_count; ++m) {
     const float* xm = x + static_cast<size_t>(m) * cols;
@@ -356,13 +336,13 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
   const bool narrow = MODE != kSwiglu && total_rows < 8192 && std::is_same_v<W, __nv_bfloat16>;
   const int rows_per_warp = narrow ? 2 : kGemvRows;
   const int per_warp = !aligned ? 1 : MODE == kSwiglu ? rows_per_warp / 2 : rows_per_warp;
-  g.warps_before[0] = 0;
+  g.tasks_before[0] = 0;
   for (int i = 0; i < g.count; ++i)
-    g.warps_before[i + 1] = g.warps_before[i] + (g.rows[i] + per_warp - 1) / per_warp;
+    g.tasks_before[i + 1] = g.tasks_before[i] + (g.rows[i] + per_warp - 1) / per_warp;
   if constexpr (std::is_same_v<W, __nv_bfloat16>)
     if (aligned && g.cols % kTileK == 0 && m <= 2 * 8 && bf16_tensor_rows())
       return launch_bf16_tiles<MODE>(g, x, m, s);
-  const unsigned blocks = blocks_for(g.warps_before[g.count], kGemvWarps);
+  const unsigned blocks = blocks_for(g.tasks_before[g.count], kGemvWarps);
   if (!aligned) {
     gemv_rows_scalar<W, MODE><<<blocks, kGemvWarps * 32, 0, s>>>(g, x, static_cast<int>(m));
     return;
