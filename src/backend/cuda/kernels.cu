@@ -138,9 +138,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 // Why: the FMA kernel spends 1 + M instructions per weight, and a verify window of 4 rows cost 1.27x a
 // decode step on the 9B shape; an mma takes 16 x 16 weights for all 8 columns at once. Measured on the
 // H200 (BENCHMARKS.md, session 15): 9B c(3) 1.27 -> 1.10, c(7) 2.0 -> 1.33, decode 161 -> 169 tok/s
-// (MTPX_BF16_ROWS=fma switches back to the FMA kernel). Batch-invariant:
-// activation row m is B's column m, which no other column touches, with the same instructions, k order
-// and warp order for any row count.
+// (MTPX_BF16_ROWS=fma switches back to the FMA kernel). Batch-invariant: activation row m is B's column m,
+// which no other column touches, with the same instructions, k order and warp order for any row count.
 constexpr int kTileRows = 16;  // weight rows per mma tile
 constexpr int kTileK = 64;     // k per warp step: 32 bytes of a weight row per lane, four mma k-steps
 
