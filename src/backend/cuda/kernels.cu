@@ -273,6 +273,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 
 template <int MODE>
 void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cudaStream_t s) {
+  g.tasks_before[0] = 0;
   for (int i = 0; i < g.count; ++i)  // a task per 16-row tile
     g.tasks_before[i + 1] = g.tasks_before[i] + (g.rows[i] + kTileRows - 1) / kTileRows;
   const auto blocks = static_cast<unsigned>(g.tasks_before[g.count]);
@@ -330,6 +331,9 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
   for (int i = 0; i < g.count; ++i) total_rows += g.rows[i];
   g.prefetch_bytes = prefetch_bytes_per_row(MODE == kSwiglu ? 2 * total_rows : total_rows,
                                             static_cast<int64_t>(g.cols) * sizeof(W));
+  if constexpr (std::is_same_v<W, __nv_bfloat16>)
+    if (aligned && g.cols % kTileK == 0 && m <= 2 * 8 && bf16_tensor_rows())
+      return launch_bf16_tiles<MODE>(g, x, m, s);
   // Enough warps to keep every SM streaming: 2 rows per warp below 8192 rows (which rows share a warp
   // changes no row's arithmetic, so this choice keeps batch invariance).
   const bool narrow = MODE != kSwiglu && total_rows < 8192 && std::is_same_v<W, __nv_bfloat16>;
@@ -338,9 +342,6 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
   g.tasks_before[0] = 0;
   for (int i = 0; i < g.count; ++i)
     g.tasks_before[i + 1] = g.tasks_before[i] + (g.rows[i] + per_warp - 1) / per_warp;
-  if constexpr (std::is_same_v<W, __nv_bfloat16>)
-    if (aligned && g.cols % kTileK == 0 && m <= 2 * 8 && bf16_tensor_rows())
-      return launch_bf16_tiles<MODE>(g, x, m, s);
   const unsigned blocks = blocks_for(g.tasks_before[g.count], kGemvWarps);
   if (!aligned) {
     gemv_rows_scalar<W, MODE><<<blocks, kGemvWarps * 32, 0, s>>>(g, x, static_cast<int>(m));

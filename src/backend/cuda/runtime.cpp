@@ -179,28 +179,27 @@ double bf16_gemm_rate(int n, int reps) {
 
 void check_launch(const char* what) { check(cudaGetLastError(), what); }
 
+namespace {
+// True unless the environment sets `name` to `off` (the switches below are read once).
+bool unless_env(const char* name, const char* off) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::string(v) != off;
+}
+}  // namespace
+
 bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("MTPX_CUDA_PDL");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool enabled = unless_env("MTPX_CUDA_PDL", "0");
   return enabled;
 }
 
 bool affine_int8_activations() {
   // The CPU validates the value (quant_matmul.cpp); here anything but f32 keeps the default.
-  static const bool enabled = [] {
-    const char* v = std::getenv("MTPX_AFFINE_ACTIVATIONS");
-    return v == nullptr || std::string(v) != "f32";
-  }();
+  static const bool enabled = unless_env("MTPX_AFFINE_ACTIVATIONS", "f32");
   return enabled;
 }
 
 bool bf16_tensor_rows() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("MTPX_BF16_ROWS");
-    return v == nullptr || std::string(v) != "fma";
-  }();
+  static const bool enabled = unless_env("MTPX_BF16_ROWS", "fma");
   return enabled;
 }
 
