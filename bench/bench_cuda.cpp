@@ -131,58 +131,61 @@ int main(int argc, char** argv) {
       return v;
     };
 
-    // Decode: T = 1 steps after a 32-token prompt.
+    // Decode: T = 1 steps after a 32-token prompt (--decode-tokens 0: no decode or verify measurements).
     const int64_t capacity = 64 + decode_tokens + prefill_tokens + 9 * 50;  // (c(K) keeps a token per pass)
     InferenceState state = model->new_state(capacity);
     ForwardResult r;
-    model->forward(state, ids(32, 1), LogitRows::kLast, r);
-    const auto step_tokens = ids(decode_tokens, 2);
-    for (int i = 0; i < 4; ++i)
-      model->forward(state, std::span(&step_tokens[static_cast<size_t>(i)], 1), LogitRows::kLast, r);
-    auto t0 = Clock::now();
-    for (int64_t i = 0; i < decode_tokens; ++i)
-      model->forward(state, std::span(&step_tokens[static_cast<size_t>(i)], 1), LogitRows::kLast, r);
-    const double decode_s = seconds_since(t0) / static_cast<double>(decode_tokens);
-    const double roofline = copy_bw / static_cast<double>(bytes_per_token(*model));
-    report["decode_tok_s"] = 1.0 / decode_s;
-    report["roofline_tok_s"] = roofline;
-    report["decode_fraction_of_roofline"] = (1.0 / decode_s) / roofline;
+    if (decode_tokens > 0) {
+      model->forward(state, ids(32, 1), LogitRows::kLast, r);
+      const auto step_tokens = ids(decode_tokens, 2);
+      for (int i = 0; i < 4; ++i)
+        model->forward(state, std::span(&step_tokens[static_cast<size_t>(i)], 1), LogitRows::kLast, r);
+      auto t0 = Clock::now();
+      for (int64_t i = 0; i < decode_tokens; ++i)
+        model->forward(state, std::span(&step_tokens[static_cast<size_t>(i)], 1), LogitRows::kLast, r);
+      const double decode_s = seconds_since(t0) / static_cast<double>(decode_tokens);
+      const double roofline = copy_bw / static_cast<double>(bytes_per_token(*model));
+      report["decode_tok_s"] = 1.0 / decode_s;
+      report["roofline_tok_s"] = roofline;
+      report["decode_fraction_of_roofline"] = (1.0 / decode_s) / roofline;
 
-    // c(K): a recorded verify window of K+1 rows (all logits) against a recorded one-row pass. The rollback
-    // after each (to the window's first token, which keeps the position from running away) is timed apart:
-    // a fully accepted window needs none.
-    // Measured twice: returning every row's logits to the host, and as greedy MTP runs it (each row's argmax
-    // on the device, the logits left there).
-    std::vector<double> c_of_k, rollback_s, c_argmax;
-    const int64_t vocab = model->config().vocab_size;
-    for (int64_t k = 0; k <= 8; ++k) {
-      const auto window = ids(k + 1, 3 + k);
-      std::vector<double> times, rollback_times, argmax_times;
-      for (int rep = 0; rep < 25; ++rep) {
-        auto t = Clock::now();
-        model->forward(state, window, LogitRows::kAll, r, /*record_window=*/true, /*argmax_limit=*/vocab);
-        argmax_times.push_back(seconds_since(t));
-        model->rollback(state, 1);
-        t = Clock::now();
-        model->forward(state, window, k == 0 ? LogitRows::kLast : LogitRows::kAll, r, /*record_window=*/true);
-        times.push_back(seconds_since(t));
-        t = Clock::now();
-        model->rollback(state, 1);
-        rollback_times.push_back(seconds_since(t));
+      // c(K): a recorded verify window of K+1 rows (all logits) against a recorded one-row pass. The rollback
+      // after each (to the window's first token, which keeps the position from running away) is timed apart:
+      // a fully accepted window needs none.
+      // Measured twice: returning every row's logits to the host, and as greedy MTP runs it (each row's
+      // argmax on the device, the logits left there).
+      std::vector<double> c_of_k, rollback_s, c_argmax;
+      const int64_t vocab = model->config().vocab_size;
+      for (int64_t k = 0; k <= 8; ++k) {
+        const auto window = ids(k + 1, 3 + k);
+        std::vector<double> times, rollback_times, argmax_times;
+        for (int rep = 0; rep < 25; ++rep) {
+          auto t = Clock::now();
+          model->forward(state, window, LogitRows::kAll, r, /*record_window=*/true, /*argmax_limit=*/vocab);
+          argmax_times.push_back(seconds_since(t));
+          model->rollback(state, 1);
+          t = Clock::now();
+          model->forward(state, window, k == 0 ? LogitRows::kLast : LogitRows::kAll, r,
+                         /*record_window=*/true);
+          times.push_back(seconds_since(t));
+          t = Clock::now();
+          model->rollback(state, 1);
+          rollback_times.push_back(seconds_since(t));
+        }
+        c_of_k.push_back(median(times));
+        rollback_s.push_back(median(rollback_times));
+        c_argmax.push_back(median(argmax_times));
       }
-      c_of_k.push_back(median(times));
-      rollback_s.push_back(median(rollback_times));
-      c_argmax.push_back(median(argmax_times));
+      nlohmann::json ck = nlohmann::json::object(), ck_argmax = nlohmann::json::object();
+      for (int64_t k = 1; k <= 8; ++k) {
+        ck[std::to_string(k)] = c_of_k[static_cast<size_t>(k)] / c_of_k[0];
+        ck_argmax[std::to_string(k)] = c_argmax[static_cast<size_t>(k)] / c_argmax[0];
+      }
+      report["verify_cost_c"] = ck;
+      report["verify_cost_c_argmax"] = ck_argmax;
+      report["decode_step_with_record_ms"] = c_of_k[0] * 1e3;
+      report["rollback_k3_to_one_token_ms"] = rollback_s[3] * 1e3;
     }
-    nlohmann::json ck = nlohmann::json::object(), ck_argmax = nlohmann::json::object();
-    for (int64_t k = 1; k <= 8; ++k) {
-      ck[std::to_string(k)] = c_of_k[static_cast<size_t>(k)] / c_of_k[0];
-      ck_argmax[std::to_string(k)] = c_argmax[static_cast<size_t>(k)] / c_argmax[0];
-    }
-    report["verify_cost_c"] = ck;
-    report["verify_cost_c_argmax"] = ck_argmax;
-    report["decode_step_with_record_ms"] = c_of_k[0] * 1e3;
-    report["rollback_k3_to_one_token_ms"] = rollback_s[3] * 1e3;
 
     // Prefill.
     if (prefill_tokens > 0) {
@@ -195,8 +198,8 @@ int main(int argc, char** argv) {
         times.push_back(seconds_since(t));
       }
       const double secs = median(times);
-      // Every position through every matrix, lm_head included.
-      const double flops = bench::matmul_flops(model->weights(), prefill_tokens, prefill_tokens);
+      // Every position through every trunk matrix; lm_head for the one row asked for (LogitRows::kLast).
+      const double flops = bench::matmul_flops(model->weights(), prefill_tokens, 1);
       report["prefill_tokens"] = prefill_tokens;
       report["prefill_tok_s"] = static_cast<double>(prefill_tokens) / secs;
       report["prefill_matmul_TFLOPs"] = flops / secs / 1e12;

@@ -4,7 +4,8 @@
 #
 #   scripts/gpu_profile.sh BIN_DIR ["SHAPES"] [ROWS]   e.g. scripts/gpu_profile.sh /tmp/g/bin "0.8B 9B 9B-q4"
 #
-# ROWS (default 1) > 1 profiles a recorded verify window of that many rows instead of a decode step.
+# ROWS (default 1) > 1 profiles a recorded verify window of that many rows instead of a decode step;
+# prefill=N profiles one prompt prefill of N tokens.
 # BIN_DIR holds bench_cuda and mtpx (and lib/ with their shared libraries); shapes as gpu_shapes.sh names
 # them (9B-q4 included). The CSVs go to $OUT.
 set -uo pipefail
@@ -17,10 +18,12 @@ export LD_LIBRARY_PATH="$bin/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_
 status=0
 for s in $shapes; do
   shape_args "$bin" "$s" || { status=1; continue; }
-  csv="$out/ncu_${s}_rows$rows.csv"
+  what=(--profile-steps 1 --profile-rows "$rows")
+  [[ $rows == prefill=* ]] && what=(--profile-prefill "${rows#prefill=}")
+  csv="$out/ncu_${s}_${rows}.csv"
   ncu --clock-control none --csv --page raw --metrics gpu__time_duration.sum "$bin/bench_cuda" "${args[@]}" \
-    --profile-steps 1 --profile-rows "$rows" >"$csv" 2>"$out/ncu_$s.err" || { status=1; tail -3 "$out/ncu_$s.err"; continue; }
-  echo "== $s, $rows row(s) per pass"
-  python3 bench/ncu_breakdown.py "$csv" | head -16 || status=1
+    "${what[@]}" >"$csv" 2>"$out/ncu_$s.err" || { status=1; tail -3 "$out/ncu_$s.err"; continue; }
+  echo "== $s, ${what[*]}"
+  python3 bench/ncu_breakdown.py "$csv" | head -20 || status=1
 done
 exit $status

@@ -84,11 +84,12 @@ std::pair<double, double> logit_difference(const Model& cpu, const Model& gpu,
 class CudaFixture : public ::testing::TestWithParam<std::string> {};
 
 // CPU vs GPU logits on the same checkpoint: max |diff| / max |logit| < 1e-2 (issue 7's bf16 tolerance),
-// for a short prompt (row kernels) and a long one (cuBLAS prefill).
+// for a short prompt (row kernels) and longer ones (cuBLAS prefill; the chunked delta rule over one
+// partial chunk, and over two whole ones and a partial one).
 TEST_P(CudaFixture, LogitsMatchTheCpu) {
   MTPX_GPU_MODEL(gpu, kFixtures / GetParam());
   const auto cpu = Model::load(kFixtures / GetParam());
-  for (int64_t n : {5, 40}) {
+  for (int64_t n : {5, 40, 150}) {
     const auto prompt = prompt_for(*cpu, n);
     const auto [max_diff, max_abs] = logit_difference(*cpu, *gpu, prompt);
     EXPECT_LT(max_diff / max_abs, 1e-2) << GetParam() << " prompt " << n;
@@ -347,7 +348,7 @@ TEST_P(CudaQuantized, LogitsVerifyWindowsAndGreedyMtpMatch) {
   const bool cpu_int8_rows = (cpu::affine_default_kernel() == cpu::AffineKernel::kAvx512Vnni ||
                               cpu::affine_default_kernel() == cpu::AffineKernel::kAvx2Int8) &&
                              GetParam().bits == 4;
-  for (int64_t n : {5, 40}) {
+  for (int64_t n : {5, 40, 150}) {
     const auto prompt = prompt_for(*cpu, n);
     const auto [max_diff, max_abs] = logit_difference(*cpu, *gpu, prompt);
     EXPECT_LT(max_diff / max_abs, (gpu_int8_rows || cpu_int8_rows) && n < cpu::kGemmMinRows ? 6e-2 : 1e-2)
@@ -510,6 +511,160 @@ TEST(Cuda, Bf16RowProductsAreAccurateAndBatchInvariant) {
                 << M << " rows launched: row " << m << ", output " << out;
       }
     }
+  }
+}
+#endif
+
+#if MTPX_HAVE_CUDA
+// The prompt path's chunked delta rule (§4.3) and the recurrence of decode and verify windows (§4.2) against
+// a double-precision recurrence on the host: outputs and the final state, for prompts shorter than a chunk,
+// of whole chunks and with a partial last chunk, state columns not a multiple of the scan's 32, and two
+// value heads per key head.
+TEST(Cuda, ChunkedDeltaRuleMatchesTheRecurrence) {
+  if (const std::string why = cuda::unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+  const cuda::Stream stream;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  struct Shape {
+    int64_t t, hk, hv, dk, dv;
+  };
+  for (const Shape sh : {Shape{150, 2, 4, 128, 128}, Shape{64, 1, 2, 64, 40}, Shape{70, 2, 6, 16, 24},
+                         Shape{16, 2, 2, 32, 32}}) {
+    const int64_t T = sh.t, hk = sh.hk, hv = sh.hv, dk = sh.dk, dv = sh.dv;
+    SCOPED_TRACE("T " + std::to_string(T) + ", dk " + std::to_string(dk) + ", dv " + std::to_string(dv));
+    const int64_t conv = 2 * hk * dk + hv * dv;
+    std::vector<float> x(static_cast<size_t>(T * conv)), g(static_cast<size_t>(T * hv)),
+        beta(static_cast<size_t>(T * hv)), s0(static_cast<size_t>(hv * dk * dv));
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = &x[static_cast<size_t>(t * conv)];
+      for (int64_t i = 0; i < conv; ++i) row[i] = normal(rng);
+      for (int64_t head = 0; head < 2 * hk; ++head) {  // l2-normalized q (times dk^-1/2) and k, as prepared
+        float* v = row + head * dk;
+        double ss = 0;
+        for (int64_t i = 0; i < dk; ++i) ss += static_cast<double>(v[i]) * v[i];
+        const double scale =
+            1.0 / std::sqrt(ss + 1e-6) / (head < hk ? std::sqrt(static_cast<double>(dk)) : 1.0);
+        for (int64_t i = 0; i < dk; ++i) v[i] = static_cast<float>(v[i] * scale);
+      }
+      for (int64_t h = 0; h < hv; ++h) {
+        g[static_cast<size_t>(t * hv + h)] = -2.0f * uniform(rng) * uniform(rng);  // decays e^g in (0.14, 1]
+        beta[static_cast<size_t>(t * hv + h)] = uniform(rng);
+      }
+    }
+    for (float& v : s0) v = 0.3f * normal(rng);
+    // The recurrence in double: S = e^g S; delta = beta (v - k^T S); S += k delta^T; o = q^T S.
+    std::vector<double> S(s0.begin(), s0.end()), o_ref(static_cast<size_t>(T * hv * dv));
+    for (int64_t h = 0; h < hv; ++h) {
+      const int64_t kh = h / (hv / hk);
+      double* Sh = &S[static_cast<size_t>(h * dk * dv)];
+      for (int64_t t = 0; t < T; ++t) {
+        const float* row = &x[static_cast<size_t>(t * conv)];
+        const float *q = row + kh * dk, *k = row + hk * dk + kh * dk, *v = row + 2 * hk * dk + h * dv;
+        const double decay = std::exp(static_cast<double>(g[static_cast<size_t>(t * hv + h)]));
+        const double b = beta[static_cast<size_t>(t * hv + h)];
+        for (int64_t i = 0; i < dk * dv; ++i) Sh[i] *= decay;
+        for (int64_t j = 0; j < dv; ++j) {
+          double kv = 0;
+          for (int64_t i = 0; i < dk; ++i) kv += k[i] * Sh[i * dv + j];
+          const double delta = b * (v[j] - kv);
+          double out = 0;
+          for (int64_t i = 0; i < dk; ++i) {
+            Sh[i * dv + j] += k[i] * delta;
+            out += q[i] * Sh[i * dv + j];
+          }
+          o_ref[static_cast<size_t>((t * hv + h) * dv + j)] = out;
+        }
+      }
+    }
+    cuda::Buffer x_dev(x.size() * 4), g_dev(g.size() * 4), beta_dev(beta.size() * 4), s_dev(s0.size() * 4),
+        o_dev(o_ref.size() * 4), scratch(static_cast<size_t>(cuda::delta_rule_chunked_scratch_bytes(T, hv)));
+    stream.to_device(x_dev.data(), x.data(), x.size() * 4);
+    stream.to_device(g_dev.data(), g.data(), g.size() * 4);
+    stream.to_device(beta_dev.data(), beta.data(), beta.size() * 4);
+    for (const bool chunked : {true, false}) {
+      SCOPED_TRACE(chunked ? "chunked" : "recurrent");
+      stream.to_device(s_dev.data(), s0.data(), s0.size() * 4);
+      stream.zero(o_dev.data(), o_ref.size() * 4);
+      if (chunked)
+        cuda::delta_rule_chunked(x_dev.as<float>(), g_dev.as<float>(), beta_dev.as<float>(),
+                                 s_dev.as<float>(), o_dev.as<float>(), T, hk, hv, dk, dv, conv,
+                                 scratch.data(), stream.handle());
+      else
+        cuda::delta_rule(x_dev.as<float>(), g_dev.as<float>(), beta_dev.as<float>(), s_dev.as<float>(),
+                         s_dev.as<float>(), nullptr, o_dev.as<float>(), T, hk, hv, dk, dv, conv,
+                         stream.handle());
+      std::vector<float> o(o_ref.size()), s(s0.size());
+      stream.to_host(o.data(), o_dev.data(), o.size() * 4);
+      stream.to_host(s.data(), s_dev.data(), s.size() * 4);
+      stream.synchronize();
+      for (size_t i = 0; i < o.size(); ++i)
+        ASSERT_NEAR(o[i], o_ref[i], 2e-4 * (1.0 + std::fabs(o_ref[i]))) << "output " << i;
+      for (size_t i = 0; i < s.size(); ++i)
+        ASSERT_NEAR(s[i], S[i], 2e-4 * (1.0 + std::fabs(S[i]))) << "state " << i;
+    }
+  }
+}
+#endif
+
+#if MTPX_HAVE_CUDA
+// The prompt path's attention (tensor cores, operands split into bf16 hi + lo) against a double-precision
+// reference: o = softmax(q k^T / sqrt(D)) v * sigmoid(gate) over cache positions 0..p, for prompts that start
+// after earlier keys, query groups of 1, 3 and 4 heads per key-value head, and a last tile of tokens left
+// partly empty.
+TEST(Cuda, PrefillAttentionMatchesTheReference) {
+  if (const std::string why = cuda::unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+  const cuda::Stream stream;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  struct Shape {
+    int64_t t, p0, nq, nkv, d;
+  };
+  for (const Shape sh : {Shape{100, 37, 8, 2, 256}, Shape{40, 0, 3, 1, 64}, Shape{70, 5, 2, 2, 128},
+                         Shape{17, 300, 16, 4, 32}}) {
+    const int64_t T = sh.t, p0 = sh.p0, nq = sh.nq, nkv = sh.nkv, D = sh.d, keys = p0 + T;
+    SCOPED_TRACE("T " + std::to_string(T) + ", p0 " + std::to_string(p0) + ", group " +
+                 std::to_string(nq / nkv) + ", D " + std::to_string(D));
+    std::vector<float> qg(static_cast<size_t>(T * nq * 2 * D)), kc(static_cast<size_t>(keys * nkv * D)),
+        vc(kc.size());
+    for (float& v : qg) v = normal(rng);
+    for (float& v : kc) v = normal(rng);
+    for (float& v : vc) v = normal(rng);
+    const int32_t pos = static_cast<int32_t>(p0);
+    cuda::Buffer qg_dev(qg.size() * 4), k_dev(kc.size() * 4), v_dev(vc.size() * 4), pos_dev(4),
+        o_dev(static_cast<size_t>(T * nq * D) * 4);
+    stream.to_device(qg_dev.data(), qg.data(), qg.size() * 4);
+    stream.to_device(k_dev.data(), kc.data(), kc.size() * 4);
+    stream.to_device(v_dev.data(), vc.data(), vc.size() * 4);
+    stream.to_device(pos_dev.data(), &pos, 4);
+    cuda::attention(qg_dev.as<float>(), k_dev.as<float>(), v_dev.as<float>(), T, nq, nkv, D,
+                    pos_dev.as<int32_t>(), o_dev.as<float>(), stream.handle());
+    std::vector<float> o(static_cast<size_t>(T * nq * D));
+    stream.to_host(o.data(), o_dev.data(), o.size() * 4);
+    stream.synchronize();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < nq; ++h) {
+        const float* q = &qg[static_cast<size_t>((t * nq + h) * 2 * D)];
+        const int64_t hk = h / (nq / nkv), n = p0 + t + 1;
+        std::vector<double> score(static_cast<size_t>(n));
+        double top = -1e300, sum = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          double dot = 0;
+          for (int64_t i = 0; i < D; ++i)
+            dot += static_cast<double>(q[i]) * kc[static_cast<size_t>((j * nkv + hk) * D + i)];
+          score[static_cast<size_t>(j)] = dot / std::sqrt(static_cast<double>(D));
+          top = std::max(top, score[static_cast<size_t>(j)]);
+        }
+        for (double& s : score) sum += s = std::exp(s - top);
+        for (int64_t i = 0; i < D; ++i) {
+          double acc = 0;
+          for (int64_t j = 0; j < n; ++j)
+            acc += score[static_cast<size_t>(j)] * vc[static_cast<size_t>((j * nkv + hk) * D + i)];
+          const double want = acc / sum / (1.0 + std::exp(-static_cast<double>(q[D + i])));
+          ASSERT_NEAR(o[static_cast<size_t>((t * nq + h) * D + i)], want, 1e-3 * (1.0 + std::fabs(want)))
+              << "token " << t << ", head " << h << ", dim " << i;
+        }
+      }
   }
 }
 #endif

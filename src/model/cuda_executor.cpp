@@ -100,7 +100,7 @@ class CudaExecutor final : public DeviceExecutor {
   struct Scratch {
     int64_t rows = 0;
     Buffer tokens, x, normed, hidden, joined, qg, k, v, attn_o, qkv, xconv, z, b, a, g, beta, dn_o, gate, up,
-        rounded;
+        rounded, delta_chunks;
   };
   const void* upload_bytes(const void* host, size_t bytes);
   Matrix upload(const cpu::WeightMatrix& w, const char* what);
@@ -330,6 +330,7 @@ void CudaExecutor::ensure_scratch(int64_t rows) const {
   s.qkv = f32(conv), s.xconv = f32(conv), s.z = f32(vdim), s.b = f32(hv), s.a = f32(hv), s.g = f32(hv);
   s.beta = f32(hv), s.dn_o = f32(vdim), s.gate = f32(c.intermediate_size), s.up = f32(c.intermediate_size);
   s.rounded = Buffer(static_cast<size_t>(rows * widest) * 4);  // hi + lo 16-bit halves
+  s.delta_chunks = Buffer(static_cast<size_t>(cuda::delta_rule_chunked_scratch_bytes(rows, hv)));
   stream_.synchronize();  // the old buffers may still be in use by queued work
   scratch_ = std::move(s);
   ++scratch_generation_;  // graphs captured on the old buffers are stale
@@ -421,9 +422,13 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
                         record ? d.conv_before.as<float>() : nullptr, st);
     cuda::deltanet_prepare(xconv, s.b.as<float>(), s.a.as<float>(), n.a_log, n.dt_bias, T, hk, hv, dk, conv,
                            beta, g, st);
-    cuda::delta_rule(xconv, g, beta, d.ssm.as<float>(), d.ssm.as<float>(),
-                     record ? d.ssm_before.as<float>() : nullptr, s.dn_o.as<float>(), T, hk, hv, dk, dv, conv,
-                     st);
+    if (T >= cuda::kGemmMinRows)  // a prompt (never recorded: windows are shorter)
+      cuda::delta_rule_chunked(xconv, g, beta, d.ssm.as<float>(), s.dn_o.as<float>(), T, hk, hv, dk, dv, conv,
+                               s.delta_chunks.data(), st);
+    else
+      cuda::delta_rule(xconv, g, beta, d.ssm.as<float>(), d.ssm.as<float>(),
+                       record ? d.ssm_before.as<float>() : nullptr, s.dn_o.as<float>(), T, hk, hv, dk, dv,
+                       conv, st);
     cuda::gated_rms_norm(s.dn_o.as<float>(), s.z.as<float>(), n.norm, eps, T * hv, dv, st);
     mm(n.out_proj, s.dn_o.as<float>(), T, x, /*accumulate=*/true);  // x += out_proj(o)
   }

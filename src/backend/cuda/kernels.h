@@ -7,9 +7,10 @@
 // matmul splits the reduction over k the same way for every row count below kGemmMinRows; attention
 // gives each query row its own block with a key split that depends only on the row's own key count;
 // the delta rule runs token by token (in the same order whatever the window). Prompt prefill (>=
-// kGemmMinRows rows) uses cuBLAS for the products and a key-tiled attention kernel instead: not bitwise
-// equal to the row kernels, but prefill is the same computation in plain and speculative decoding (the
-// depthwise conv's prefill kernel does the row kernel's arithmetic, only in parallel over tokens).
+// kGemmMinRows rows) uses cuBLAS for the products, a tensor-core attention kernel and the chunked delta rule
+// instead: not bitwise equal to the row kernels, but prefill is the same computation in plain and
+// speculative decoding (the depthwise conv's prefill kernel does the row kernel's arithmetic, only in
+// parallel over tokens).
 // Positions are read from device memory (`pos`) so that a captured CUDA graph can be replayed at any
 // position.
 #pragma once
@@ -107,6 +108,14 @@ void deltanet_prepare(float* x, const float* b, const float* a, const float* a_l
 void delta_rule(const float* x, const float* g, const float* beta, const float* s_in, float* s_out,
                 float* s_before, float* o, int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
                 int64_t conv_dim, void* stream);
+
+// Prompt prefill: the same rule in its chunked form (§4.3, chunks of 64 tokens), state [Hv, Dk, Dv] updated
+// in place. Equal to delta_rule up to the order of the sums (not bitwise: prefill only). scratch: device
+// memory of delta_rule_chunked_scratch_bytes(t_count, hv).
+int64_t delta_rule_chunked_scratch_bytes(int64_t t_count, int64_t hv);
+void delta_rule_chunked(const float* x, const float* g, const float* beta, float* state, float* o,
+                        int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t dv, int64_t conv_dim,
+                        void* scratch, void* stream);
 
 // o[r, :] = rms_norm(o[r, :]) * weight * silu(z[r, :]) for rows of n (the DeltaNet output norm).
 void gated_rms_norm(float* o, const float* z, const float* weight, float eps, int64_t rows, int64_t n,
