@@ -989,6 +989,27 @@ constexpr int64_t delta_scan_smem_floats(int64_t dk) {
          (dk + 2 * kDeltaChunkRows) * kDeltaScanStride + 3 * kDeltaChunkRows;
 }
 
+// Stages kCount floats into shared memory with kThreads threads: value i = src(i) goes to dst(i, value).
+// Each thread issues kStageLoads loads before it stores any, so a batch costs one memory latency (a
+// load-then-store loop waits out every load, as delta_rule_kernel's staging explains).
+constexpr int kStageLoads = 16;
+template <int kThreads, int kCount, typename Src, typename Dst>
+__device__ __forceinline__ void stage(int tid, Src src, Dst dst) {
+  for (int base = tid; base < kCount; base += kStageLoads * kThreads) {
+    float v[kStageLoads];
+#pragma unroll
+    for (int u = 0; u < kStageLoads; ++u) {
+      const int i = base + u * kThreads;
+      v[u] = i < kCount ? src(i) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kStageLoads; ++u) {
+      const int i = base + u * kThreads;
+      if (i < kCount) dst(i, v[u]);
+    }
+  }
+}
+
 // Per (value head h, chunk): tinv and p [C][C] at ((h * chunks + chunk) * C * C), G [C] at
 // ((h * chunks + chunk) * C).
 template <int DK>
@@ -1012,12 +1033,14 @@ __global__ void __launch_bounds__(kDeltaMatricesThreads)
   const int n = static_cast<int>(t_count - t0 < C ? t_count - t0 : C);
   const int64_t key_head = h / (hv / hk);
   const int tid = static_cast<int>(threadIdx.x);
-  for (int idx = tid; idx < C * DK; idx += kDeltaMatricesThreads) {
-    const int r = idx / DK, d = idx % DK;
-    const float* xt = x + (t0 + r) * conv_dim;
-    ks[r * KS + d] = r < n ? xt[hk * DK + key_head * DK + d] : 0.0f;
-    qs[r * KS + d] = r < n ? xt[key_head * DK + d] : 0.0f;
-  }
+  const float* const k_rows = x + t0 * conv_dim + hk * DK + key_head * DK;
+  const float* const q_rows = x + t0 * conv_dim + key_head * DK;
+  stage<kDeltaMatricesThreads, C * DK>(
+      tid, [&](int i) { return i / DK < n ? k_rows[(i / DK) * conv_dim + i % DK] : 0.0f; },
+      [&](int i, float v) { ks[(i / DK) * KS + i % DK] = v; });
+  stage<kDeltaMatricesThreads, C * DK>(
+      tid, [&](int i) { return i / DK < n ? q_rows[(i / DK) * conv_dim + i % DK] : 0.0f; },
+      [&](int i, float v) { qs[(i / DK) * KS + i % DK] = v; });
   if (tid < C) {
     gs[tid] = tid < n ? g[(t0 + tid) * hv + h] : 0.0f;
     bs[tid] = tid < n ? beta[(t0 + tid) * hv + h] : 0.0f;
@@ -1108,16 +1131,18 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
     const int n = static_cast<int>(t_count - t0 < C ? t_count - t0 : C);
     const size_t base = (static_cast<size_t>(h) * chunks + chunk) * C * C;
     __syncthreads();  // the previous chunk is done with the buffers
-    for (int idx = tid; idx < C * DK; idx += kDeltaScanThreads) {
-      const int r = idx / DK, d = idx % DK;
-      const float* xt = x + (t0 + r) * conv_dim;
-      ks[r * KS + d] = r < n ? xt[hk * DK + key_head * DK + d] : 0.0f;
-      qs[r * KS + d] = r < n ? xt[key_head * DK + d] : 0.0f;
-    }
-    for (int idx = tid; idx < C * C; idx += kDeltaScanThreads) {
-      ts[(idx / C) * MS + idx % C] = tinv[base + idx];
-      ps[(idx / C) * MS + idx % C] = p[base + idx];
-    }
+    const float* const k_rows = x + t0 * conv_dim + hk * DK + key_head * DK;
+    const float* const q_rows = x + t0 * conv_dim + key_head * DK;
+    stage<kDeltaScanThreads, C * DK>(
+        tid, [&](int i) { return i / DK < n ? k_rows[(i / DK) * conv_dim + i % DK] : 0.0f; },
+        [&](int i, float v) { ks[(i / DK) * KS + i % DK] = v; });
+    stage<kDeltaScanThreads, C * DK>(
+        tid, [&](int i) { return i / DK < n ? q_rows[(i / DK) * conv_dim + i % DK] : 0.0f; },
+        [&](int i, float v) { qs[(i / DK) * KS + i % DK] = v; });
+    stage<kDeltaScanThreads, C * C>(
+        tid, [&](int i) { return tinv[base + i]; }, [&](int i, float v) { ts[(i / C) * MS + i % C] = v; });
+    stage<kDeltaScanThreads, C * C>(
+        tid, [&](int i) { return p[base + i]; }, [&](int i, float v) { ps[(i / C) * MS + i % C] = v; });
     if (tid < C) {
       gs[tid] = g_cum[(static_cast<size_t>(h) * chunks + chunk) * C + tid];
       bs[tid] = tid < n ? beta[(t0 + tid) * hv + h] : 0.0f;
