@@ -985,7 +985,7 @@ constexpr int64_t delta_matrices_smem_floats(int64_t dk) {
          kDeltaChunkRows * (kDeltaChunkRows + 8) + 2 * kDeltaChunkRows;
 }
 constexpr int64_t delta_scan_smem_floats(int64_t dk) {
-  return 2 * kDeltaChunkRows * (dk + 1) + 2 * kDeltaChunkRows * (kDeltaChunkRows + 1) +
+  return 2 * kDeltaChunkRows * (dk + 4) + 2 * kDeltaChunkRows * (kDeltaChunkRows + 4) +
          (dk + 2 * kDeltaChunkRows) * kDeltaScanStride + 3 * kDeltaChunkRows;
 }
 
@@ -1098,6 +1098,8 @@ __global__ void __launch_bounds__(kDeltaMatricesThreads)
 
 // Per (value head, kDeltaScanColumns columns of the state): the chunks in order. Thread (ti, tc) owns rows
 // ti + 16 r and columns tc, tc + 16 of each [C, columns] product, and rows ti + 16 r of the state update.
+// The row operands (K, Q, Tinv and P rows) are read as float4: rows padded to a multiple of 4 floats, 4
+// banks apart, so a warp's two rows never share a bank; the sums still run over k in order.
 template <int DK>
 __global__ void __launch_bounds__(kDeltaScanThreads)
     delta_chunk_scan_kernel(const float* __restrict__ x, const float* __restrict__ beta,
@@ -1105,9 +1107,9 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
                             const float* __restrict__ g_cum, float* state, float* __restrict__ o,
                             int64_t t_count, int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim) {
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
-  constexpr int C = kDeltaChunkRows, KS = DK + 1, MS = C + 1, VS = kDeltaScanStride, SR = DK / 16;
+  constexpr int C = kDeltaChunkRows, KS = DK + 4, MS = C + 4, VS = kDeltaScanStride, SR = DK / 16;
   static_assert(kDeltaScanThreads == 16 * 16 && kDeltaScanColumns == 32 && DK % 16 == 0);
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) float smem[];
   float* ks = smem;          // [C][KS]
   float* qs = ks + C * KS;   // [C][KS]
   float* ts = qs + C * KS;   // [C][MS] Tinv
@@ -1151,13 +1153,22 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
     if (tid < C) fs[tid] = expf(gs[C - 1] - gs[tid]);
     // K S and Q S (the state before the chunk), rows ti + 16 r, columns tc and tc + 16.
     float ksum[4][2] = {}, qsum[4][2] = {};
-    for (int d = 0; d < DK; ++d) {
-      const float s0 = ss[d * VS + tc], s1 = ss[d * VS + tc + 16];
+    for (int d = 0; d < DK; d += 4) {
+      float4 k4[4], q4[4];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const float kv = ks[(ti + 16 * r) * KS + d], qv = qs[(ti + 16 * r) * KS + d];
-        ksum[r][0] = fmaf(kv, s0, ksum[r][0]), ksum[r][1] = fmaf(kv, s1, ksum[r][1]);
-        qsum[r][0] = fmaf(qv, s0, qsum[r][0]), qsum[r][1] = fmaf(qv, s1, qsum[r][1]);
+        k4[r] = *reinterpret_cast<const float4*>(&ks[(ti + 16 * r) * KS + d]);
+        q4[r] = *reinterpret_cast<const float4*>(&qs[(ti + 16 * r) * KS + d]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float s0 = ss[(d + e) * VS + tc], s1 = ss[(d + e) * VS + tc + 16];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float kv = (&k4[r].x)[e], qv = (&q4[r].x)[e];
+          ksum[r][0] = fmaf(kv, s0, ksum[r][0]), ksum[r][1] = fmaf(kv, s1, ksum[r][1]);
+          qsum[r][0] = fmaf(qv, s0, qsum[r][0]), qsum[r][1] = fmaf(qv, s1, qsum[r][1]);
+        }
       }
     }
     // R = beta (V - e^G (K S))
@@ -1173,12 +1184,18 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
     __syncthreads();
     // Vnew = Tinv R (Tinv is unit lower-triangular: m <= i)
     float u[4][2] = {};
-    for (int m = 0; m < C; ++m) {
-      const float r0 = rs[m * VS + tc], r1 = rs[m * VS + tc + 16];
+    for (int m = 0; m < C; m += 4) {
+      float4 t4[4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float t = ts[(ti + 16 * r) * MS + m];
-        u[r][0] = fmaf(t, r0, u[r][0]), u[r][1] = fmaf(t, r1, u[r][1]);
+      for (int r = 0; r < 4; ++r) t4[r] = *reinterpret_cast<const float4*>(&ts[(ti + 16 * r) * MS + m]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float r0 = rs[(m + e) * VS + tc], r1 = rs[(m + e) * VS + tc + 16];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float t = (&t4[r].x)[e];
+          u[r][0] = fmaf(t, r0, u[r][0]), u[r][1] = fmaf(t, r1, u[r][1]);
+        }
       }
     }
 #pragma unroll
@@ -1191,12 +1208,18 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
       const float e = expf(gs[ti + 16 * r]);
       qsum[r][0] *= e, qsum[r][1] *= e;
     }
-    for (int j = 0; j < C; ++j) {
-      const float v0 = us[j * VS + tc], v1 = us[j * VS + tc + 16];
+    for (int j = 0; j < C; j += 4) {
+      float4 p4[4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float pv = ps[(ti + 16 * r) * MS + j];
-        qsum[r][0] = fmaf(pv, v0, qsum[r][0]), qsum[r][1] = fmaf(pv, v1, qsum[r][1]);
+      for (int r = 0; r < 4; ++r) p4[r] = *reinterpret_cast<const float4*>(&ps[(ti + 16 * r) * MS + j]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v0 = us[(j + e) * VS + tc], v1 = us[(j + e) * VS + tc + 16];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float pv = (&p4[r].x)[e];
+          qsum[r][0] = fmaf(pv, v0, qsum[r][0]), qsum[r][1] = fmaf(pv, v1, qsum[r][1]);
+        }
       }
     }
 #pragma unroll
