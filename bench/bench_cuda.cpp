@@ -66,9 +66,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 15));
   app.add_option("--profile-prefill", profile_prefill,
                  "only run one prefill of this many tokens (for a profiler), then exit");
-  app.add_option("--decode-tokens", decode_tokens);
-  app.add_option("--prefill-tokens", prefill_tokens);
-  app.add_option("--mtp-tokens", mtp_tokens, "tokens per MTP run (0: skip)");
+  app.add_option("--decode-tokens", decode_tokens, "decode steps timed (0: no decode or verify measurements)")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--prefill-tokens", prefill_tokens, "prompt tokens of the timed prefill (0: skip)")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--mtp-tokens", mtp_tokens, "tokens per MTP run (0: skip)")->check(CLI::Range(0, 1 << 20));
   app.add_option("--acceptance", acceptance, "synthetic acceptance of the MTP runs");
   app.add_option("--draft-vocab", draft_vocab,
                  "the MTP runs also with a draft vocabulary of the first N ids (0 or >= vocab: not)");
