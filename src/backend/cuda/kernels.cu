@@ -390,6 +390,16 @@ __global__ void split_to(const float* __restrict__ x, T* __restrict__ hi, T* __r
   }
 }
 
+// Lets `kernel` take `bytes` of dynamic shared memory: above 48 KiB a launch must ask for it (a host-side
+// attribute, set before every launch rather than kept as process state: cheap next to a prefill kernel).
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes, const char* what) {
+  if (const cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+      e != cudaSuccess)
+    fail(ErrorKind::kInternal, "CUDA: {} shared memory: {}", what, cudaGetErrorString(e));
+}
+
 void check_cublas(cublasStatus_t st, const char* what) {
   if (st != CUBLAS_STATUS_SUCCESS)
     fail(ErrorKind::kInternal, "cuBLAS {} failed (status {})", what, static_cast<int>(st));
@@ -1097,6 +1107,34 @@ __global__ void __launch_bounds__(kDeltaMatricesThreads)
   if (tid < C) g_cum[(static_cast<size_t>(h) * chunks + chunk) * C + tid] = gs[tid];
 }
 
+// acc[j][r][q] += sum_k a[j][(ti + 16 r) * LDA + k] * b[k * kDeltaScanStride + tc + 16 q] for k = 0..K-1 in
+// order: the scan's products of NA row-major operands (rows ti + 16 r of a thread) against one column slice
+// of kDeltaScanColumns, the rows read as float4 (LDA and the rows' offsets multiples of 4 floats: a warp's
+// two rows 4 banks apart never share a bank).
+template <int NA, int K, int LDA>
+__device__ __forceinline__ void rows_times_slice(const float* const (&a)[NA], const float* b, int ti, int tc,
+                                                 float (*acc)[4][2]) {
+  static_assert(K % 4 == 0 && LDA % 4 == 0 && kDeltaScanColumns == 32);
+  for (int k = 0; k < K; k += 4) {
+    float4 a4[NA][4];
+#pragma unroll
+    for (int j = 0; j < NA; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a4[j][r] = *reinterpret_cast<const float4*>(&a[j][(ti + 16 * r) * LDA + k]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float b0 = b[(k + e) * kDeltaScanStride + tc], b1 = b[(k + e) * kDeltaScanStride + tc + 16];
+#pragma unroll
+      for (int j = 0; j < NA; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float av = (&a4[j][r].x)[e];
+          acc[j][r][0] = fmaf(av, b0, acc[j][r][0]), acc[j][r][1] = fmaf(av, b1, acc[j][r][1]);
+        }
+    }
+  }
+}
+
 // Per (value head, kDeltaScanColumns columns of the state): the chunks in order. Thread (ti, tc) owns rows
 // ti + 16 r and columns tc, tc + 16 of each [C, columns] product, and rows ti + 16 r of the state update.
 // The row operands (K, Q, Tinv and P rows) are read as float4: rows padded to a multiple of 4 floats, 4
@@ -1153,25 +1191,10 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
     __syncthreads();
     if (tid < C) fs[tid] = expf(gs[C - 1] - gs[tid]);
     // K S and Q S (the state before the chunk), rows ti + 16 r, columns tc and tc + 16.
-    float ksum[4][2] = {}, qsum[4][2] = {};
-    for (int d = 0; d < DK; d += 4) {
-      float4 k4[4], q4[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        k4[r] = *reinterpret_cast<const float4*>(&ks[(ti + 16 * r) * KS + d]);
-        q4[r] = *reinterpret_cast<const float4*>(&qs[(ti + 16 * r) * KS + d]);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float s0 = ss[(d + e) * VS + tc], s1 = ss[(d + e) * VS + tc + 16];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float kv = (&k4[r].x)[e], qv = (&q4[r].x)[e];
-          ksum[r][0] = fmaf(kv, s0, ksum[r][0]), ksum[r][1] = fmaf(kv, s1, ksum[r][1]);
-          qsum[r][0] = fmaf(qv, s0, qsum[r][0]), qsum[r][1] = fmaf(qv, s1, qsum[r][1]);
-        }
-      }
-    }
+    float sums[2][4][2] = {};  // K S and Q S
+    rows_times_slice<2, DK, KS>({ks, qs}, ss, ti, tc, sums);
+    float(&ksum)[4][2] = sums[0];
+    float(&qsum)[4][2] = sums[1];
     // R = beta (V - e^G (K S))
 #pragma unroll
     for (int r = 0; r < 4; ++r)
@@ -1185,20 +1208,7 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
     __syncthreads();
     // Vnew = Tinv R (Tinv is unit lower-triangular: m <= i)
     float u[4][2] = {};
-    for (int m = 0; m < C; m += 4) {
-      float4 t4[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) t4[r] = *reinterpret_cast<const float4*>(&ts[(ti + 16 * r) * MS + m]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float r0 = rs[(m + e) * VS + tc], r1 = rs[(m + e) * VS + tc + 16];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float t = (&t4[r].x)[e];
-          u[r][0] = fmaf(t, r0, u[r][0]), u[r][1] = fmaf(t, r1, u[r][1]);
-        }
-      }
-    }
+    rows_times_slice<1, C, MS>({ts}, rs, ti, tc, &u);
 #pragma unroll
     for (int r = 0; r < 4; ++r)
       us[(ti + 16 * r) * VS + tc] = u[r][0], us[(ti + 16 * r) * VS + tc + 16] = u[r][1];
@@ -1209,20 +1219,7 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
       const float e = expf(gs[ti + 16 * r]);
       qsum[r][0] *= e, qsum[r][1] *= e;
     }
-    for (int j = 0; j < C; j += 4) {
-      float4 p4[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) p4[r] = *reinterpret_cast<const float4*>(&ps[(ti + 16 * r) * MS + j]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float v0 = us[(j + e) * VS + tc], v1 = us[(j + e) * VS + tc + 16];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float pv = (&p4[r].x)[e];
-          qsum[r][0] = fmaf(pv, v0, qsum[r][0]), qsum[r][1] = fmaf(pv, v1, qsum[r][1]);
-        }
-      }
-    }
+    rows_times_slice<1, C, MS>({ps}, us, ti, tc, &qsum);
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll
@@ -1614,10 +1611,7 @@ void attention(const float* qg, const float* key_cache, const float* value_cache
                      static_cast<unsigned>(nkv));
     const size_t smem = static_cast<size_t>(flash_smem_words(head_dim)) * sizeof(uint32_t);
     auto launch = [&](auto kernel) {
-      if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     static_cast<int>(smem));
-          e != cudaSuccess)
-        fail(ErrorKind::kInternal, "CUDA: attention_prefill shared memory: {}", cudaGetErrorString(e));
+      allow_shared_memory(kernel, smem, "attention_prefill");
       kernel<<<tiles, kFlashWarps * 32, smem, s>>>(qg, key_cache, value_cache, t_count, nq, nkv, tpw, pos, o);
     };
     switch (head_dim) {
@@ -1736,17 +1730,11 @@ void delta_rule_chunked(const float* x, const float* g, const float* beta, float
   float* g_cum = p + hv * chunks * kDeltaChunkRows * kDeltaChunkRows;
   const dim3 matrices_grid(static_cast<unsigned>(hv), static_cast<unsigned>(chunks));
   const dim3 scan_grid(static_cast<unsigned>(hv), blocks_for(dv, kDeltaScanColumns));
-  // Both kernels take more than 48 KiB of shared memory, which a launch must ask for (a host-side
-  // attribute, set on every launch: cheap next to a prefill).
   auto launch = [&](auto matrices, auto scan) {
     const size_t matrices_smem = static_cast<size_t>(delta_matrices_smem_floats(dk)) * sizeof(float);
     const size_t scan_smem = static_cast<size_t>(delta_scan_smem_floats(dk)) * sizeof(float);
-    if (cudaFuncSetAttribute(matrices, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(matrices_smem)) != cudaSuccess ||
-        cudaFuncSetAttribute(scan, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(scan_smem)) != cudaSuccess)
-      fail(ErrorKind::kInternal, "CUDA: delta_rule_chunked shared memory: {}",
-           cudaGetErrorString(cudaGetLastError()));
+    allow_shared_memory(matrices, matrices_smem, "delta_rule_chunked");
+    allow_shared_memory(scan, scan_smem, "delta_rule_chunked");
     matrices<<<matrices_grid, kDeltaMatricesThreads, matrices_smem, s>>>(x, g, beta, t_count, hk, hv,
                                                                          conv_dim, tinv, p, g_cum);
     scan<<<scan_grid, kDeltaScanThreads, scan_smem, s>>>(x, beta, tinv, p, g_cum, state, o, t_count, hk, hv,
