@@ -4,11 +4,13 @@
 #include "server/chat_template.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <string>
 
 #include "server/jinja/template.h"
 #include "test_paths.h"
@@ -97,6 +99,29 @@ TEST(ChatTemplate, SyntaxErrorsNameTheLine) {
 TEST(ChatTemplate, ModelWithoutTemplateHasNone) {
   EXPECT_FALSE(ChatTemplate::from_model_dir(test_paths::kFixtures / "causal_f16_interval2").has_value());
   EXPECT_TRUE(ChatTemplate::from_model_dir(test_paths::kDefaultModel).has_value());
+}
+
+// A list of named templates whose entries are not all {"name": string, "template": string} objects: the
+// well-formed default is found, and without one a one-line error (value() threw nlohmann's type_error).
+TEST(ChatTemplate, MalformedNamedTemplateListsAreOneLineErrors) {
+  const fs::path dir = fs::temp_directory_path() / ("mtpx_named_templates_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  auto load_with = [&](const std::string& list) {
+    std::ofstream(dir / "tokenizer_config.json") << R"({"chat_template": )" << list << "}";
+    return ChatTemplate::from_model_dir(dir);
+  };
+  const auto found = load_with(R"([1, {"name": {}}, {"name": "default", "template": "x"}])");
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->source(), "x");
+  try {
+    load_with(R"([1, "default", {"name": ["default"], "template": "x"}])");
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("neither a string nor a list with a \"default\" template"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -160,6 +160,28 @@ TEST(FuzzFindings, DeeplyNestedRequestBodiesAreRefusedWhileParsing) {
   EXPECT_EQ(error_of([&] { (void)server::parse_request_body(ok); }), "");
 }
 
+TEST(FuzzFindings, NonStringTypesAreUnsupportedPartsNotCrashes) {
+  // A content part whose "type" was an object made nlohmann's value("type", "") throw type_error.
+  const auto chat = [](const std::string& body) {
+    return error_of(
+        [&] { (void)server::parse_chat_request(server::parse_request_body(body), serving_defaults()); });
+  };
+  EXPECT_NE(chat(R"({"messages": [{"role": "user", "content": [{"type": {"url": "x"}}]}]})")
+                .find("only text parts"),
+            std::string::npos);
+  EXPECT_NE(chat(R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": 1}})")
+                .find("'response_format' other than"),
+            std::string::npos);
+  EXPECT_NE(chat(R"({"messages": [{"role": "user", "content": "hi"}],
+                     "tools": [{"type": [], "function": {"name": "f"}}]})")
+                .find("'tools[0]' must be"),
+            std::string::npos);
+  // Well-formed ones still pass: a text part, and a tool without "type" (function is the default).
+  EXPECT_EQ(chat(R"({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                     "tools": [{"function": {"name": "f"}}]})"),
+            "");
+}
+
 TEST(FuzzFindings, ConfigIntegersBeyondInt64AreOutOfRange) {
   // 9.2e20 (and 2^64 - 1) went through a float-to-int64 conversion that is undefined behaviour.
   const auto config = [](const std::string& top_k) {

@@ -29,7 +29,8 @@ std::optional<ChatTemplate> ChatTemplate::from_model_dir(const std::filesystem::
   if (templates.is_string()) return ChatTemplate(templates.get<std::string>(), special_tokens);
   if (templates.is_array())
     for (const auto& named : templates)
-      if (named.value("name", "") == "default" && named.contains("template") && named["template"].is_string())
+      if (named.is_object() && named.contains("name") && named["name"] == "default" &&
+          named.contains("template") && named["template"].is_string())
         return ChatTemplate(named["template"].get<std::string>(), special_tokens);
   invalid_input("{}: \"chat_template\" is neither a string nor a list with a \"default\" template",
                 config_path.string());

@@ -39,6 +39,16 @@ const OrderedJson* field(const OrderedJson& body, const char* name) {
   return it == body.end() || it->is_null() ? nullptr : &*it;
 }
 
+// Whether an object's "type" is the string `expected` (`when_absent` when it has none). A "type" of another
+// JSON type is simply not `expected`: nlohmann's value("type", "") throws type_error for it, which escaped
+// as a crash (fuzz/corpus/fuzz_openai_request/finding-type-object).
+bool type_is(const OrderedJson& obj, const char* expected, bool when_absent) {
+  if (!obj.is_object()) return false;
+  const OrderedJson* type = field(obj, "type");
+  if (type == nullptr) return when_absent;
+  return type->is_string() && type->get<std::string>() == expected;
+}
+
 std::optional<double> number_field(const OrderedJson& body, const char* name, double lo, double hi) {
   const OrderedJson* v = field(body, name);
   if (v == nullptr) return std::nullopt;
@@ -89,7 +99,7 @@ void reject_unsupported(const OrderedJson& body) {
   if (const OrderedJson* bias = field(body, "logit_bias"); bias != nullptr && !bias->empty())
     fail(ErrorKind::kUnsupported, "'logit_bias' is not supported");
   if (const OrderedJson* format = field(body, "response_format"); format != nullptr) {
-    if (!format->is_object() || format->value("type", "") != "text")
+    if (!type_is(*format, "text", /*when_absent=*/false))
       fail(ErrorKind::kUnsupported, "'response_format' other than {{\"type\": \"text\"}} is not supported");
   }
 }
@@ -138,8 +148,7 @@ OrderedJson content_text(const OrderedJson& content, size_t index) {
                   json_type_name(content));
   std::string text;
   for (const auto& part : content) {
-    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-        !part["text"].is_string())
+    if (!type_is(part, "text", /*when_absent=*/false) || !part.contains("text") || !part["text"].is_string())
       fail(ErrorKind::kUnsupported,
            "'messages[{}].content': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
            index);
@@ -224,7 +233,7 @@ ChatRequest parse_chat_request(const OrderedJson& body, const ServingDefaults& d
     if (!tools->is_array()) invalid_input("'tools' must be an array, got {}", json_type_name(*tools));
     for (size_t i = 0; i < tools->size(); ++i) {
       const OrderedJson& t = (*tools)[i];
-      if (!t.is_object() || t.value("type", "function") != "function" || !t.contains("function") ||
+      if (!type_is(t, "function", /*when_absent=*/true) || !t.contains("function") ||
           !t["function"].is_object() || !t["function"].contains("name") || !t["function"]["name"].is_string())
         invalid_input("'tools[{}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ..., ...}}}}",
                       i);
