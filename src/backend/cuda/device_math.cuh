@@ -105,12 +105,18 @@ inline uint32_t prefetch_bytes_per_row(int64_t total_rows, int64_t row_bytes) {
 }
 
 // kernel<<<blocks, threads, shared_bytes, s>>>(args...), with programmatic stream serialization when
-// pdl_enabled().
+// pdl_enabled(). The small kernels (norms, attention, the DeltaNet steps, argmax) launch this way too: each
+// calls griddep_wait() first and griddep_launch_dependents() after it, so it reads nothing before its
+// predecessor is done and lets at most one kernel run ahead, and its launch and block scheduling overlap the
+// previous kernel's tail instead of following it. Measured on the H200 (BENCHMARKS.md, session 17): 0.8B
+// decode 633 -> 691 tok/s, 9B 4-bit 353 -> 374, 9B 173.5 -> 174.5. (Session 14 tried it with the trigger
+// before the wait: every kernel then ran ahead, each row kernel's prefetch competed with the streaming one,
+// and decode was slower.)
 template <typename... Params, typename... Args>
-void launch_pdl(void (*kernel)(Params...), unsigned blocks, unsigned threads, size_t shared_bytes,
-                cudaStream_t s, Args&&... args) {
+void launch_pdl(void (*kernel)(Params...), dim3 blocks, unsigned threads, size_t shared_bytes, cudaStream_t s,
+                Args&&... args) {
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(blocks);
+  cfg.gridDim = blocks;
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = shared_bytes;
   cfg.stream = s;
@@ -120,8 +126,7 @@ void launch_pdl(void (*kernel)(Params...), unsigned blocks, unsigned threads, si
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (e != cudaSuccess)
-    fail(ErrorKind::kInternal, "CUDA: row kernel launch failed: {}", cudaGetErrorString(e));
+  if (e != cudaSuccess) fail(ErrorKind::kInternal, "CUDA: kernel launch failed: {}", cudaGetErrorString(e));
 }
 
 }  // namespace mtpx::cuda

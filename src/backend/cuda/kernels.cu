@@ -293,6 +293,7 @@ void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cu
 // k = l, l + 32, ...  (same mapping for every M: batch-invariant too).
 template <typename W, int MODE>
 __global__ void gemv_rows_scalar(const GemvGroup<W> g, const float* __restrict__ x, int m_count) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int warp = blockIdx.x * kGemvWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (warp >= g.tasks_before[g.count]) return;
@@ -377,6 +378,7 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
 // x = hi + lo (+ a remainder below the 16-bit type's precision squared).
 template <typename T>
 __global__ void split_to(const float* __restrict__ x, T* __restrict__ hi, T* __restrict__ lo, int64_t n) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -410,6 +412,7 @@ void check_cublas(cublasStatus_t st, const char* what) {
 template <typename W>
 __global__ void embed_kernel(const W* __restrict__ table, const int32_t* __restrict__ tokens, int64_t h,
                              float* __restrict__ out) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t t = blockIdx.x;
   const W* row = table + static_cast<int64_t>(tokens[t]) * h;
@@ -418,6 +421,7 @@ __global__ void embed_kernel(const W* __restrict__ table, const int32_t* __restr
 
 __global__ void rms_norm_kernel(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
                                 float eps, int64_t n, float* out, int64_t out_stride) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   __shared__ float scratch[32];
   const float* xr = x + blockIdx.x * x_stride;
@@ -436,6 +440,7 @@ template <int V>
 __global__ void rms_norm_regs_kernel(const float* __restrict__ x, int64_t x_stride,
                                      const float* __restrict__ w, float eps, int n, float* out,
                                      int64_t out_stride) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   __shared__ float scratch[32];
   const float4* xr = reinterpret_cast<const float4*>(x + blockIdx.x * x_stride);
@@ -466,6 +471,7 @@ __global__ void rms_norm_regs_kernel(const float* __restrict__ x, int64_t x_stri
 }
 
 __global__ void add_kernel(float* __restrict__ x, const float* __restrict__ y, int64_t n) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -473,6 +479,7 @@ __global__ void add_kernel(float* __restrict__ x, const float* __restrict__ y, i
 }
 
 __global__ void swiglu_kernel(const float* gate, const float* __restrict__ up, int64_t n, float* out) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -492,6 +499,7 @@ __global__ void qk_norm_rope_kernel(float* qg, float* k, const float* __restrict
                                     float eps, int64_t nq, int64_t nkv, int64_t d, int64_t rotary_dim,
                                     double theta, const int32_t* __restrict__ pos, float* key_cache,
                                     float* value_cache) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   extern __shared__ float buf[];
   __shared__ float scratch[32];
@@ -538,6 +546,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32)
     attention_kernel(const float* __restrict__ qg, const float* __restrict__ key_cache,
                      const float* __restrict__ value_cache, int64_t nq, int64_t nkv,
                      const int32_t* __restrict__ pos, float* __restrict__ o) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   constexpr int D = 32 * EPL;
   __shared__ float part_m[kAttnWarps], part_l[kAttnWarps];
@@ -606,6 +615,7 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
     attention_prefill_kernel(const float* __restrict__ qg, const float* __restrict__ key_cache,
                              const float* __restrict__ value_cache, int64_t t_count, int64_t nq, int64_t nkv,
                              int tpw, const int32_t* __restrict__ pos, float* __restrict__ o) {
+  griddep_wait();
   griddep_launch_dependents();            // a row kernel after this one may start its prefetch
   constexpr int QW = D / 2 + 8;           // words per Q or K row: a half-warp's 64-bit loads of rows g, at
                                           // word g * QW + 2 q, hit 32 distinct banks (QW = 8 or 24 mod 32)
@@ -762,6 +772,7 @@ constexpr int kMaxConvKernel = 8;
 __global__ void conv_kernel(const float* __restrict__ qkv, float* conv_state, const float* __restrict__ w,
                             int64_t t_count, int64_t channels, int64_t kc, float* __restrict__ x,
                             float* __restrict__ conv_before) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (ch >= channels) return;
@@ -788,6 +799,7 @@ constexpr int64_t kConvRows = 16;
 __global__ void conv_rows_kernel(const float* __restrict__ qkv, const float* __restrict__ conv_state,
                                  const float* __restrict__ w, int64_t t_count, int64_t channels, int64_t kc,
                                  float* __restrict__ x) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (ch >= channels) return;
@@ -805,6 +817,7 @@ __global__ void conv_rows_kernel(const float* __restrict__ qkv, const float* __r
 __global__ void conv_rollback_kernel(const float* __restrict__ conv_before, const float* __restrict__ qkv,
                                      int64_t keep, int64_t channels, int64_t kc,
                                      float* __restrict__ conv_state) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (ch >= channels) return;
@@ -820,6 +833,7 @@ __global__ void deltanet_prepare_kernel(float* x, const float* __restrict__ b, c
                                         const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                                         int64_t hk, int64_t hv, int64_t dk, int64_t conv_dim,
                                         float* __restrict__ beta, float* __restrict__ g) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x, seg = blockIdx.y;
@@ -863,6 +877,7 @@ __global__ void delta_rule_kernel(const float* __restrict__ x, const float* __re
                                   const float* __restrict__ beta, const float* s_in, float* s_out,
                                   float* __restrict__ s_before, float* __restrict__ o, int64_t t_count,
                                   int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   constexpr int kPart = DK / kDeltaParts;
   static_assert(kPart % 4 == 0, "whole float4 per lane");
@@ -1029,6 +1044,7 @@ __global__ void __launch_bounds__(kDeltaMatricesThreads)
                                 const float* __restrict__ beta, int64_t t_count, int64_t hk, int64_t hv,
                                 int64_t conv_dim, float* __restrict__ tinv, float* __restrict__ p,
                                 float* __restrict__ g_cum) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   constexpr int C = kDeltaChunkRows, KS = DK + 1, AS = C + 1, XS = C + 8;
   static_assert(kDeltaMatricesThreads == 4 * C && C == 64, "tiles of 4 x 4, one column per 4 lanes");
@@ -1145,6 +1161,7 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
                             const float* __restrict__ tinv, const float* __restrict__ p,
                             const float* __restrict__ g_cum, float* state, float* __restrict__ o,
                             int64_t t_count, int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   constexpr int C = kDeltaChunkRows, KS = DK + 4, MS = C + 4, VS = kDeltaScanStride, SR = DK / 16;
   static_assert(kDeltaScanThreads == 16 * 16 && kDeltaScanColumns == 32 && DK % 16 == 0);
@@ -1257,6 +1274,7 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
 
 __global__ void gated_rms_norm_kernel(float* o, const float* __restrict__ z, const float* __restrict__ w,
                                       float eps, int64_t n) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   __shared__ float scratch[32];
   float* r = o + blockIdx.x * n;
@@ -1271,6 +1289,7 @@ __global__ void gated_rms_norm_kernel(float* o, const float* __restrict__ z, con
 // The first index of the row's maximum (cpu::argmax), or -1 when the row holds NaN or Inf (the host then
 // reports the non-finite logits, as the CPU path does).
 __global__ void argmax_kernel(const float* __restrict__ logits, int64_t vocab, int64_t limit, int32_t* out) {
+  griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
   __shared__ float best_v[1024];
   __shared__ int32_t best_i[1024];
@@ -1569,15 +1588,15 @@ void rms_norm_rows(const float* x, int64_t x_stride, const float* weight, float 
                        reinterpret_cast<uintptr_t>(weight) % 16 == 0 && n <= 1024 * 4 * kV;
   if (vectors) {
     const int threads = std::max(32, static_cast<int>((n / 4 + kV - 1) / kV + 31) / 32 * 32);
-    rms_norm_regs_kernel<kV><<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(
-        x, x_stride, weight, eps, static_cast<int>(n), out, out_stride);
+    launch_pdl(rms_norm_regs_kernel<kV>, static_cast<unsigned>(rows), threads, 0, as_stream(stream), x,
+               x_stride, weight, eps, static_cast<int>(n), out, out_stride);
     check_launch("rms_norm_rows");
     return;
   }
   // Else up to 1024 threads: a decode row (one block) is latency-bound, so use many lanes.
   const int threads = n >= 4096 ? 1024 : n >= 1024 ? 256 : 128;
-  rms_norm_kernel<<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(x, x_stride, weight, eps, n,
-                                                                                  out, out_stride);
+  launch_pdl(rms_norm_kernel, static_cast<unsigned>(rows), threads, 0, as_stream(stream), x, x_stride, weight,
+             eps, n, out, out_stride);
   check_launch("rms_norm_rows");
 }
 
@@ -1587,7 +1606,7 @@ void add_inplace(float* x, const float* y, int64_t n, void* stream) {
 }
 
 void swiglu(const float* gate, const float* up, int64_t n, float* out, void* stream) {
-  swiglu_kernel<<<elementwise_blocks(n), 256, 0, as_stream(stream)>>>(gate, up, n, out);
+  launch_pdl(swiglu_kernel, elementwise_blocks(n), 256, 0, as_stream(stream), gate, up, n, out);
   check_launch("swiglu");
 }
 
@@ -1596,8 +1615,9 @@ void qk_norm_rope_store(float* qg, float* k, const float* v, const float* q_norm
                         int64_t rotary_dim, double rope_theta, const int32_t* pos, float* key_cache,
                         float* value_cache, void* stream) {
   const dim3 grid(static_cast<unsigned>(t_count), static_cast<unsigned>(nq + nkv));
-  qk_norm_rope_kernel<<<grid, 128, static_cast<size_t>(head_dim) * sizeof(float), as_stream(stream)>>>(
-      qg, k, v, q_norm, k_norm, eps, nq, nkv, head_dim, rotary_dim, rope_theta, pos, key_cache, value_cache);
+  launch_pdl(qk_norm_rope_kernel, grid, 128, static_cast<size_t>(head_dim) * sizeof(float), as_stream(stream),
+             qg, k, v, q_norm, k_norm, eps, nq, nkv, head_dim, rotary_dim, rope_theta, pos, key_cache,
+             value_cache);
   check_launch("qk_norm_rope_store");
 }
 
@@ -1637,16 +1657,20 @@ void attention(const float* qg, const float* key_cache, const float* value_cache
   const dim3 grid(static_cast<unsigned>(t_count), static_cast<unsigned>(nq));
   switch (head_dim) {
     case 32:
-      attention_kernel<1><<<grid, kAttnWarps * 32, 0, s>>>(qg, key_cache, value_cache, nq, nkv, pos, o);
+      launch_pdl(attention_kernel<1>, grid, kAttnWarps * 32, 0, s, qg, key_cache, value_cache, nq, nkv, pos,
+                 o);
       break;
     case 64:
-      attention_kernel<2><<<grid, kAttnWarps * 32, 0, s>>>(qg, key_cache, value_cache, nq, nkv, pos, o);
+      launch_pdl(attention_kernel<2>, grid, kAttnWarps * 32, 0, s, qg, key_cache, value_cache, nq, nkv, pos,
+                 o);
       break;
     case 128:
-      attention_kernel<4><<<grid, kAttnWarps * 32, 0, s>>>(qg, key_cache, value_cache, nq, nkv, pos, o);
+      launch_pdl(attention_kernel<4>, grid, kAttnWarps * 32, 0, s, qg, key_cache, value_cache, nq, nkv, pos,
+                 o);
       break;
     case 256:
-      attention_kernel<8><<<grid, kAttnWarps * 32, 0, s>>>(qg, key_cache, value_cache, nq, nkv, pos, o);
+      launch_pdl(attention_kernel<8>, grid, kAttnWarps * 32, 0, s, qg, key_cache, value_cache, nq, nkv, pos,
+                 o);
       break;
     default:
       fail(ErrorKind::kUnsupported, "--device cuda: head_dim {} is not supported (32, 64, 128, 256)",
@@ -1666,8 +1690,8 @@ void deltanet_conv(const float* qkv, float* conv_state, const float* conv_weight
     conv_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(
         qkv, conv_state, conv_weight, t_count, channels, kc, nullptr, conv_before);
   } else {
-    conv_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(
-        qkv, conv_state, conv_weight, t_count, channels, kc, x, conv_before);
+    launch_pdl(conv_kernel, blocks_for(channels, 256), 256, 0, as_stream(stream), qkv, conv_state,
+               conv_weight, t_count, channels, kc, x, conv_before);
   }
   check_launch("deltanet_conv");
 }
@@ -1683,8 +1707,8 @@ void deltanet_prepare(float* x, const float* b, const float* a, const float* a_l
                       int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t conv_dim, float* beta,
                       float* g, void* stream) {
   const dim3 grid(static_cast<unsigned>(t_count), static_cast<unsigned>(2 * hk + 1));
-  deltanet_prepare_kernel<<<grid, 128, 0, as_stream(stream)>>>(x, b, a, a_log, dt_bias, hk, hv, dk, conv_dim,
-                                                               beta, g);
+  launch_pdl(deltanet_prepare_kernel, grid, 128, 0, as_stream(stream), x, b, a, a_log, dt_bias, hk, hv, dk,
+             conv_dim, beta, g);
   check_launch("deltanet_prepare");
 }
 
@@ -1696,10 +1720,10 @@ void delta_rule(const float* x, const float* g, const float* beta, const float* 
   const dim3 grid(static_cast<unsigned>(hv), blocks_for(dv, kDeltaColumns));
   const cudaStream_t s = as_stream(stream);
   switch (dk) {
-#define MTPX_DELTA_CASE(DK)                                                                             \
-  case DK:                                                                                              \
-    delta_rule_kernel<DK>                                                                               \
-        <<<grid, threads, 0, s>>>(x, g, beta, s_in, s_out, s_before, o, t_count, hk, hv, dv, conv_dim); \
+#define MTPX_DELTA_CASE(DK)                                                                               \
+  case DK:                                                                                                \
+    launch_pdl(delta_rule_kernel<DK>, grid, threads, 0, s, x, g, beta, s_in, s_out, s_before, o, t_count, \
+               hk, hv, dv, conv_dim);                                                                     \
     break;
     MTPX_DELTA_CASE(16)
     MTPX_DELTA_CASE(32)
@@ -1762,13 +1786,15 @@ void delta_rule_chunked(const float* x, const float* g, const float* beta, float
 
 void gated_rms_norm(float* o, const float* z, const float* weight, float eps, int64_t rows, int64_t n,
                     void* stream) {
-  gated_rms_norm_kernel<<<static_cast<unsigned>(rows), 128, 0, as_stream(stream)>>>(o, z, weight, eps, n);
+  launch_pdl(gated_rms_norm_kernel, static_cast<unsigned>(rows), 128, 0, as_stream(stream), o, z, weight, eps,
+             n);
   check_launch("gated_rms_norm");
 }
 
 void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int32_t* out,
                  void* stream) {
-  argmax_kernel<<<static_cast<unsigned>(rows), 1024, 0, as_stream(stream)>>>(logits, vocab, limit, out);
+  launch_pdl(argmax_kernel, static_cast<unsigned>(rows), 1024, 0, as_stream(stream), logits, vocab, limit,
+             out);
   check_launch("argmax_rows");
 }
 
