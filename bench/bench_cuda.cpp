@@ -3,9 +3,11 @@
 //   decode tok/s and its fraction of the bandwidth roofline (weight bytes read per token / bandwidth),
 //   the verify-cost curve c(K) = time(verify K+1 rows) / time(decode 1 row),
 //   prefill of a long prompt against the GEMM rate,
+//   decode tok/s after long prompts (--context-tokens: attention then reads a long KV cache),
 //   MTP at a synthetic acceptance (drafts replaced by the greedy continuation with probability A).
 //
-//   bench_cuda [--shape 0.8B|9B|...] [--decode-tokens N] [--prefill-tokens N] [--acceptance A] [--json]
+//   bench_cuda [--shape 0.8B|9B|...] [--decode-tokens N] [--prefill-tokens N] [--context-tokens N ...]
+//              [--acceptance A] [--json]
 #include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
@@ -70,6 +72,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1 << 20));
   app.add_option("--prefill-tokens", prefill_tokens, "prompt tokens of the timed prefill (0: skip)")
       ->check(CLI::Range(0, 1 << 20));
+  std::vector<int64_t> context_tokens;
+  app.add_option("--context-tokens", context_tokens,
+                 "also time decode steps after a prompt of each of these lengths (decode_at_context)")
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--mtp-tokens", mtp_tokens, "tokens per MTP run (0: skip)")->check(CLI::Range(0, 1 << 20));
   app.add_option("--acceptance", acceptance, "synthetic acceptance of the MTP runs");
   app.add_option("--draft-vocab", draft_vocab,
@@ -187,6 +193,24 @@ int main(int argc, char** argv) {
       report["verify_cost_c_argmax"] = ck_argmax;
       report["decode_step_with_record_ms"] = c_of_k[0] * 1e3;
       report["rollback_k3_to_one_token_ms"] = rollback_s[3] * 1e3;
+    }
+
+    // Decode after long prompts: the same steps, each reading the whole KV cache of the attention layers.
+    if (!context_tokens.empty()) {
+      constexpr int64_t kSteps = 32;
+      nlohmann::json rows = nlohmann::json::array();
+      for (const int64_t n : context_tokens) {
+        InferenceState s = model->new_state(n + kSteps + 8);
+        model->forward(s, ids(n, 6), LogitRows::kLast, r);
+        const auto step_tokens = ids(kSteps + 2, 7);
+        for (int i = 0; i < 2; ++i)
+          model->forward(s, std::span(&step_tokens[static_cast<size_t>(i)], 1), LogitRows::kLast, r);
+        const auto t0 = Clock::now();
+        for (int64_t i = 2; i < kSteps + 2; ++i)
+          model->forward(s, std::span(&step_tokens[static_cast<size_t>(i)], 1), LogitRows::kLast, r);
+        rows.push_back({{"context", n}, {"tok_s", static_cast<double>(kSteps) / seconds_since(t0)}});
+      }
+      report["decode_at_context"] = rows;
     }
 
     // Prefill.

@@ -33,15 +33,15 @@ shapes="0.8B 9B 9B-q4"
 [ "$quick" = "--quick" ] && shapes="0.8B"
 for s in $shapes; do
   shape_args "$bin" "$s" || status=1
-  "$bin/bench_cuda" "${args[@]}" --json > "$out/bench_$s.json" 2> "$out/bench_$s.err" || { status=1; cat "$out/bench_$s.err"; }
+  "$bin/bench_cuda" "${args[@]}" --context-tokens 4096 32768 --json > "$out/bench_$s.json" 2> "$out/bench_$s.err" || { status=1; cat "$out/bench_$s.err"; }
 done
 
 python3 - "$out" "$passed" "$failed" $shapes <<'PY'
 import json, sys, os
 out, passed, failed, shapes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 print(f"\nGPU tests: {passed} passed, {failed} failed")
-print("| shape | copy GB/s | decode tok/s | roofline tok/s | fraction | c(1) | c(3) | c(7) | c(1) / c(3) argmax | prefill tok/s | prefill / GEMM | MTP best (K) | MTP best, draft vocab (K) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| shape | copy GB/s | decode tok/s | roofline tok/s | fraction | c(1) | c(3) | c(7) | c(1) / c(3) argmax | decode at 4096 / 32768 context | prefill tok/s | prefill / GEMM | MTP best (K) | MTP best, draft vocab (K) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for s in shapes:
     p = os.path.join(out, f"bench_{s}.json")
     try:
@@ -52,10 +52,12 @@ for s in shapes:
     ca = r.get("verify_cost_c_argmax", {"1": 0, "3": 0})
     best = max(r.get("mtp_synthetic", {}).get("rows", [{"speedup": 0, "draft": 0}]), key=lambda x: x["speedup"])
     vocab = r.get("mtp_synthetic_draft_vocab", {})
+    at_context = " / ".join("%.1f" % x["tok_s"] for x in r.get("decode_at_context", [])) or "-"
     best_vocab = max(vocab.get("rows", [{"speedup": 0, "draft": 0}]), key=lambda x: x["speedup"])
     print(f"| {s} | {r['copy_bandwidth_GBs']:.0f} | {r['decode_tok_s']:.1f} | {r['roofline_tok_s']:.1f} | "
           f"{r['decode_fraction_of_roofline']:.2f} | {c['1']:.3f} | {c['3']:.3f} | {c['7']:.3f} | "
           f"{ca['1']:.3f} / {ca['3']:.3f} | "
+          f"{at_context} | "
           f"{r.get('prefill_tok_s', 0):.0f} | {r.get('prefill_fraction_of_gemm', 0):.2f} | "
           f"{best['speedup']:.2f}x (K={best['draft']}) | "
           f"{best_vocab['speedup']:.2f}x (K={best_vocab['draft']}, {vocab.get('draft_vocab', '-')}) |")

@@ -608,63 +608,127 @@ TEST(Cuda, ChunkedDeltaRuleMatchesTheRecurrence) {
 #endif
 
 #if MTPX_HAVE_CUDA
-// The prompt path's attention (tensor cores, operands split into bf16 hi + lo) against a double-precision
-// reference: o = softmax(q k^T / sqrt(D)) v * sigmoid(gate) over cache positions 0..p, for prompts that start
-// after earlier keys, query groups of 1, 3 and 4 heads per key-value head, and a last tile of tokens left
-// partly empty.
+// Gated attention in double precision: o[t, h] = softmax(q k^T / sqrt(D)) v * sigmoid(gate) over cache
+// positions 0..p0 + t ([T, nq, D]).
+std::vector<double> reference_attention(const std::vector<float>& qg, const std::vector<float>& kc,
+                                        const std::vector<float>& vc, int64_t T, int64_t p0, int64_t nq,
+                                        int64_t nkv, int64_t D) {
+  std::vector<double> o(static_cast<size_t>(T * nq * D));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < nq; ++h) {
+      const float* q = &qg[static_cast<size_t>((t * nq + h) * 2 * D)];
+      const int64_t hk = h / (nq / nkv), n = p0 + t + 1;
+      std::vector<double> score(static_cast<size_t>(n));
+      double top = -1e300, sum = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        double dot = 0;
+        for (int64_t i = 0; i < D; ++i)
+          dot += static_cast<double>(q[i]) * kc[static_cast<size_t>((j * nkv + hk) * D + i)];
+        score[static_cast<size_t>(j)] = dot / std::sqrt(static_cast<double>(D));
+        top = std::max(top, score[static_cast<size_t>(j)]);
+      }
+      for (double& v : score) sum += v = std::exp(v - top);
+      std::vector<double> acc(static_cast<size_t>(D));
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t i = 0; i < D; ++i)
+          acc[static_cast<size_t>(i)] +=
+              score[static_cast<size_t>(j)] * vc[static_cast<size_t>((j * nkv + hk) * D + i)];
+      for (int64_t i = 0; i < D; ++i)
+        o[static_cast<size_t>((t * nq + h) * D + i)] =
+            acc[static_cast<size_t>(i)] / sum / (1.0 + std::exp(-static_cast<double>(q[D + i])));
+    }
+  return o;
+}
+
+struct AttentionShape {
+  int64_t t, p0, nq, nkv, d;
+  std::string name() const {
+    return "T " + std::to_string(t) + ", p0 " + std::to_string(p0) + ", group " + std::to_string(nq / nkv) +
+           ", D " + std::to_string(d);
+  }
+};
+
+// Random q/gate, keys and values of a shape, on the host and the device.
+struct AttentionInputs {
+  std::vector<float> qg, kc, vc;
+  cuda::Buffer qg_dev, k_dev, v_dev;
+  AttentionInputs(const AttentionShape& sh, std::mt19937& rng, const cuda::Stream& stream) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    qg.resize(static_cast<size_t>(sh.t * sh.nq * 2 * sh.d));
+    kc.resize(static_cast<size_t>((sh.p0 + sh.t) * sh.nkv * sh.d));
+    vc.resize(kc.size());
+    for (auto* v : {&qg, &kc, &vc})
+      for (float& x : *v) x = normal(rng);
+    qg_dev = cuda::Buffer(qg.size() * 4), k_dev = cuda::Buffer(kc.size() * 4),
+    v_dev = cuda::Buffer(vc.size() * 4);
+    stream.to_device(qg_dev.data(), qg.data(), qg.size() * 4);
+    stream.to_device(k_dev.data(), kc.data(), kc.size() * 4);
+    stream.to_device(v_dev.data(), vc.data(), vc.size() * 4);
+  }
+};
+
+// The prompt path's attention (tensor cores, operands split into bf16 hi + lo) against the double reference,
+// for prompts that start after earlier keys, query groups of 1, 3 and 4 heads per key-value head, and a last
+// tile of tokens left partly empty.
 TEST(Cuda, PrefillAttentionMatchesTheReference) {
   if (const std::string why = cuda::unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
   const cuda::Stream stream;
   std::mt19937 rng(9);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  struct Shape {
-    int64_t t, p0, nq, nkv, d;
-  };
-  for (const Shape sh : {Shape{100, 37, 8, 2, 256}, Shape{40, 0, 3, 1, 64}, Shape{70, 5, 2, 2, 128},
-                         Shape{17, 300, 16, 4, 32}}) {
-    const int64_t T = sh.t, p0 = sh.p0, nq = sh.nq, nkv = sh.nkv, D = sh.d, keys = p0 + T;
-    SCOPED_TRACE("T " + std::to_string(T) + ", p0 " + std::to_string(p0) + ", group " +
-                 std::to_string(nq / nkv) + ", D " + std::to_string(D));
-    std::vector<float> qg(static_cast<size_t>(T * nq * 2 * D)), kc(static_cast<size_t>(keys * nkv * D)),
-        vc(kc.size());
-    for (float& v : qg) v = normal(rng);
-    for (float& v : kc) v = normal(rng);
-    for (float& v : vc) v = normal(rng);
-    const int32_t pos = static_cast<int32_t>(p0);
-    cuda::Buffer qg_dev(qg.size() * 4), k_dev(kc.size() * 4), v_dev(vc.size() * 4), pos_dev(4),
-        o_dev(static_cast<size_t>(T * nq * D) * 4);
-    stream.to_device(qg_dev.data(), qg.data(), qg.size() * 4);
-    stream.to_device(k_dev.data(), kc.data(), kc.size() * 4);
-    stream.to_device(v_dev.data(), vc.data(), vc.size() * 4);
+  for (const AttentionShape sh : {AttentionShape{100, 37, 8, 2, 256}, AttentionShape{40, 0, 3, 1, 64},
+                                  AttentionShape{70, 5, 2, 2, 128}, AttentionShape{17, 300, 16, 4, 32}}) {
+    SCOPED_TRACE(sh.name());
+    const AttentionInputs in(sh, rng, stream);
+    const int32_t pos = static_cast<int32_t>(sh.p0);
+    cuda::Buffer pos_dev(4), o_dev(static_cast<size_t>(sh.t * sh.nq * sh.d) * 4);
     stream.to_device(pos_dev.data(), &pos, 4);
-    cuda::attention(qg_dev.as<float>(), k_dev.as<float>(), v_dev.as<float>(), T, nq, nkv, D,
-                    pos_dev.as<int32_t>(), o_dev.as<float>(), stream.handle());
-    std::vector<float> o(static_cast<size_t>(T * nq * D));
+    cuda::attention(in.qg_dev.as<float>(), in.k_dev.as<float>(), in.v_dev.as<float>(), sh.t, sh.nq, sh.nkv,
+                    sh.d, pos_dev.as<int32_t>(), o_dev.as<float>(), nullptr, stream.handle());
+    std::vector<float> o(static_cast<size_t>(sh.t * sh.nq * sh.d));
     stream.to_host(o.data(), o_dev.data(), o.size() * 4);
     stream.synchronize();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < nq; ++h) {
-        const float* q = &qg[static_cast<size_t>((t * nq + h) * 2 * D)];
-        const int64_t hk = h / (nq / nkv), n = p0 + t + 1;
-        std::vector<double> score(static_cast<size_t>(n));
-        double top = -1e300, sum = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          double dot = 0;
-          for (int64_t i = 0; i < D; ++i)
-            dot += static_cast<double>(q[i]) * kc[static_cast<size_t>((j * nkv + hk) * D + i)];
-          score[static_cast<size_t>(j)] = dot / std::sqrt(static_cast<double>(D));
-          top = std::max(top, score[static_cast<size_t>(j)]);
-        }
-        for (double& s : score) sum += s = std::exp(s - top);
-        for (int64_t i = 0; i < D; ++i) {
-          double acc = 0;
-          for (int64_t j = 0; j < n; ++j)
-            acc += score[static_cast<size_t>(j)] * vc[static_cast<size_t>((j * nkv + hk) * D + i)];
-          const double want = acc / sum / (1.0 + std::exp(-static_cast<double>(q[D + i])));
-          ASSERT_NEAR(o[static_cast<size_t>((t * nq + h) * D + i)], want, 1e-3 * (1.0 + std::fabs(want)))
-              << "token " << t << ", head " << h << ", dim " << i;
-        }
-      }
+    const auto want = reference_attention(in.qg, in.kc, in.vc, sh.t, sh.p0, sh.nq, sh.nkv, sh.d);
+    for (size_t i = 0; i < o.size(); ++i)
+      ASSERT_NEAR(o[i], want[i], 1e-3 * (1.0 + std::fabs(want[i]))) << "output " << i;
+  }
+}
+
+// Decode and verify rows (keys split over many blocks, merged by the last split to finish) against the
+// double reference: one key, one split, dozens of splits, query groups of 1, 3, 4, 6 and 16 heads. And
+// batch invariance: each row of a window bitwise equal to the same row run alone at its position, and a
+// second launch equal to the first (the merge counters are left at zero).
+TEST(Cuda, DecodeAttentionMatchesTheReferenceAndIsBatchInvariant) {
+  if (const std::string why = cuda::unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+  const cuda::Stream stream;
+  std::mt19937 rng(10);
+  const std::vector<AttentionShape> shapes = {
+      {1, 0, 16, 4, 256},  {4, 37, 8, 2, 256}, {15, 5000, 16, 4, 256}, {3, 300, 6, 1, 128},
+      {2, 1000, 3, 1, 64}, {5, 129, 2, 2, 32}, {8, 2000, 16, 1, 128}};
+  for (const AttentionShape& sh : shapes) {
+    SCOPED_TRACE(sh.name());
+    const AttentionInputs in(sh, rng, stream);
+    const size_t row = static_cast<size_t>(sh.nq * sh.d);
+    cuda::Buffer pos_dev(4), o_dev(static_cast<size_t>(sh.t) * row * 4);
+    const auto scratch_bytes = static_cast<size_t>(cuda::attention_scratch_bytes(sh.t, sh.nq, sh.d));
+    cuda::Buffer scratch(scratch_bytes);
+    stream.zero(scratch.data(), scratch_bytes);
+    auto run = [&](int64_t t0, int64_t rows) {
+      const int32_t pos = static_cast<int32_t>(sh.p0 + t0);
+      stream.to_device(pos_dev.data(), &pos, 4);
+      cuda::attention(in.qg_dev.as<float>() + t0 * 2 * static_cast<int64_t>(row), in.k_dev.as<float>(),
+                      in.v_dev.as<float>(), rows, sh.nq, sh.nkv, sh.d, pos_dev.as<int32_t>(),
+                      o_dev.as<float>(), scratch.data(), stream.handle());
+      std::vector<float> o(static_cast<size_t>(rows) * row);
+      stream.to_host(o.data(), o_dev.data(), o.size() * 4);
+      stream.synchronize();
+      return o;
+    };
+    const auto o = run(0, sh.t);
+    const auto want = reference_attention(in.qg, in.kc, in.vc, sh.t, sh.p0, sh.nq, sh.nkv, sh.d);
+    for (size_t i = 0; i < o.size(); ++i)
+      ASSERT_NEAR(o[i], want[i], 1e-4 * (1.0 + std::fabs(want[i]))) << "output " << i;
+    ASSERT_EQ(0, std::memcmp(run(0, sh.t).data(), o.data(), o.size() * 4)) << "a second launch";
+    for (int64_t t = 0; t < sh.t; ++t)
+      ASSERT_EQ(0, std::memcmp(run(t, 1).data(), &o[static_cast<size_t>(t) * row], row * 4)) << "row " << t;
   }
 }
 #endif

@@ -101,6 +101,7 @@ class CudaExecutor final : public DeviceExecutor {
     int64_t rows = 0;
     Buffer tokens, x, normed, hidden, joined, qg, k, v, attn_o, qkv, xconv, z, b, a, g, beta, dn_o, gate, up,
         rounded, delta_chunks;
+    Buffer attention;  // the split-key attention's partial results and counters (decode and verify rows)
   };
   const void* upload_bytes(const void* host, size_t bytes);
   Matrix upload(const cpu::WeightMatrix& w, const char* what);
@@ -203,6 +204,11 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
   if (c.head_dim % 32 != 0 || c.head_dim > 256)
     fail(ErrorKind::kUnsupported, "--device cuda: head_dim {} is not supported (32, 64, 128, 256)",
          c.head_dim);
+  if (c.num_kv_heads < 1 || c.num_attention_heads % c.num_kv_heads != 0 ||
+      c.num_attention_heads / c.num_kv_heads > 16)
+    fail(ErrorKind::kUnsupported,
+         "--device cuda: {} attention heads over {} key-value heads is not supported (at most 16 per group)",
+         c.num_attention_heads, c.num_kv_heads);
   const ModelWeights& w = model.weights();
   embed_tokens_ = upload(w.embed_tokens, "embed_tokens");
   lm_head_ = upload(w.lm_head, "lm_head");
@@ -331,6 +337,10 @@ void CudaExecutor::ensure_scratch(int64_t rows) const {
   s.beta = f32(hv), s.dn_o = f32(vdim), s.gate = f32(c.intermediate_size), s.up = f32(c.intermediate_size);
   s.rounded = Buffer(static_cast<size_t>(rows * widest) * 4);  // hi + lo 16-bit halves
   s.delta_chunks = Buffer(static_cast<size_t>(cuda::delta_rule_chunked_scratch_bytes(rows, hv)));
+  const auto attention_bytes =
+      static_cast<size_t>(cuda::attention_scratch_bytes(kMaxWindow, c.num_attention_heads, c.head_dim));
+  s.attention = Buffer(attention_bytes);
+  stream_.zero(s.attention.data(), attention_bytes);
   stream_.synchronize();  // the old buffers may still be in use by queued work
   scratch_ = std::move(s);
   ++scratch_generation_;  // graphs captured on the old buffers are stale
@@ -402,7 +412,8 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
                              c.num_attention_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta,
                              seq.pos.as<int32_t>(), kv->keys.as<float>(), kv->values.as<float>(), st);
     cuda::attention(s.qg.as<float>(), kv->keys.as<float>(), kv->values.as<float>(), T, c.num_attention_heads,
-                    c.num_kv_heads, c.head_dim, seq.pos.as<int32_t>(), s.attn_o.as<float>(), st);
+                    c.num_kv_heads, c.head_dim, seq.pos.as<int32_t>(), s.attn_o.as<float>(),
+                    s.attention.data(), st);
     mm(a.o_proj, s.attn_o.as<float>(), T, x, /*accumulate=*/true);  // x += o_proj(o)
   } else {
     const DeviceDeltaNet& n = l.delta_net;

@@ -537,58 +537,174 @@ __global__ void qk_norm_rope_kernel(float* qg, float* k, const float* __restrict
   }
 }
 
-constexpr int kAttnWarps = 4;
+// Decode and verify rows, split over the keys ("flash decoding"). The kernel this replaces walked a row's
+// keys in four warps, one key after another: a memory round trip per key and warp. H200 (BENCHMARKS.md,
+// session 17), decode tok/s against it: 9B at 4096 tokens of context 73 -> 172, at 32768 14 -> 152; 0.8B at
+// 32768 20 -> 561; the 9B verify window of 4 rows (argmax on the device) 1.10 -> 1.05 decode steps. Here
+// blockIdx = (t, tile of GT query heads sharing a key-value head, split s): the row's n keys are cut into
+// splits of split_keys(n, splits) keys, and each warp of a split's block loads kSplitKeysPerWarp keys (and
+// their values) at once and keeps an online softmax per head. The block merges its warps in warp order; a row
+// with one split writes o directly, else each split writes (m, l, acc) and the split that finishes last (a
+// counter per row and tile, left at zero again) merges them in split order. Batch-invariant: the splits, the
+// warps' keys and both merge orders depend only on the row's own key count n and the launch's `splits`, which
+// the launcher derives from the head counts and the device, never from the number of rows.
+constexpr int kSplitWarps = 8;
+constexpr int kSplitKeysPerWarp = 4;
+constexpr int kMinSplitKeys = 64;
+constexpr int kMaxSplits = 64;
 
-// blockIdx = (t, query head). Warp w takes keys w, w + 4, ... with an online softmax; the four partial
-// results are merged in warp order. The split depends only on the row's key count: batch-invariant.
-template <int EPL>  // elements per lane: head_dim = 32 * EPL
-__global__ void __launch_bounds__(kAttnWarps * 32)
-    attention_kernel(const float* __restrict__ qg, const float* __restrict__ key_cache,
-                     const float* __restrict__ value_cache, int64_t nq, int64_t nkv,
-                     const int32_t* __restrict__ pos, float* __restrict__ o) {
+__host__ __device__ constexpr int split_keys(int n, int splits) {
+  const int per = (n + splits - 1) / splits;
+  const int keys = (per + 31) / 32 * 32;
+  return keys > kMinSplitKeys ? keys : kMinSplitKeys;
+}
+
+template <int EPL>
+__device__ __forceinline__ void load_lane_row(const float* p, float (&out)[EPL]) {
+  if constexpr (EPL % 4 == 0) {
+#pragma unroll
+    for (int e = 0; e < EPL; e += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(p + e);
+      out[e] = v.x, out[e + 1] = v.y, out[e + 2] = v.z, out[e + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) out[e] = p[e];
+  }
+}
+
+template <int EPL, int GT>  // head_dim = 32 * EPL; GT query heads per block
+__global__ void __launch_bounds__(kSplitWarps * 32)
+    attention_split_kernel(const float* __restrict__ qg, const float* __restrict__ key_cache,
+                           const float* __restrict__ value_cache, int nq, int nkv, int splits,
+                           const int32_t* __restrict__ pos, float* __restrict__ o, int32_t* counters,
+                           float2* partial_ml, float* partial_acc) {
   griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
-  constexpr int D = 32 * EPL;
-  __shared__ float part_m[kAttnWarps], part_l[kAttnWarps];
-  __shared__ float part_acc[kAttnWarps][D];
-  const int64_t t = blockIdx.x, h = blockIdx.y;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t hk = h / (nq / nkv);
-  const int64_t n_keys = pos[0] + t + 1;
-  const float* q = qg + (t * nq + h) * 2 * D;
+  constexpr int D = 32 * EPL, U = kSplitKeysPerWarp;
+  __shared__ float warp_m[kSplitWarps][GT], warp_l[kSplitWarps][GT];
+  __shared__ __align__(16) float warp_acc[kSplitWarps][GT][D];
+  __shared__ float split_weight[GT][kMaxSplits], inverse_l[GT];
+  __shared__ bool last;
+  const int t = blockIdx.x, split = blockIdx.z, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int group = nq / nkv, tiles = group / GT;
+  const int hk = blockIdx.y / tiles, h0 = hk * group + (blockIdx.y % tiles) * GT;
+  const int n = pos[0] + t + 1, chunk = split_keys(n, splits), active = (n + chunk - 1) / chunk;
+  if (split >= active) return;
+  const int k0 = split * chunk, k1 = min(n, k0 + chunk);
   const float scale = 1.0f / sqrtf(static_cast<float>(D));
-  float qv[EPL], acc[EPL];
+  float qv[GT][EPL], acc[GT][EPL], m[GT], l[GT];
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) qv[e] = q[lane * EPL + e], acc[e] = 0.0f;
-  float m = -INFINITY, l = 0.0f;
-  for (int64_t j = warp; j < n_keys; j += kAttnWarps) {
-    const float* kr = key_cache + (j * nkv + hk) * D + lane * EPL;
-    const float* vr = value_cache + (j * nkv + hk) * D + lane * EPL;
-    float dot = 0.0f;
+  for (int g = 0; g < GT; ++g) {
+    load_lane_row<EPL>(qg + (static_cast<size_t>(t) * nq + h0 + g) * 2 * D + lane * EPL, qv[g]);
+    m[g] = -INFINITY, l[g] = 0.0f;
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) dot = fmaf(qv[e], kr[e], dot);
-    const float s = warp_sum(dot) * scale;
-    const float m_new = fmaxf(m, s);
-    const float corr = expf(m - m_new), p = expf(s - m_new);
-    l = l * corr + p;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[e] = acc[e] * corr + p * vr[e];
-    m = m_new;
+    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.0f;
   }
-  if (lane == 0) part_m[warp] = m, part_l[warp] = l;
+  // Keys j0 .. j0 + U - 1 per pass (j0 < k1, so the first is always a key and m stays finite).
+  for (int j0 = k0 + warp * U; j0 < k1; j0 += kSplitWarps * U) {
+    float kr[U][EPL], vr[U][EPL];
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) part_acc[warp][lane * EPL + e] = acc[e];
+    for (int u = 0; u < U; ++u) {
+      const size_t row = (static_cast<size_t>(min(j0 + u, k1 - 1)) * nkv + hk) * D + lane * EPL;
+      load_lane_row<EPL>(key_cache + row, kr[u]);
+      load_lane_row<EPL>(value_cache + row, vr[u]);
+    }
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float score[U];
+      float top = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) dot = fmaf(qv[g][e], kr[u][e], dot);
+        score[u] = j0 + u < k1 ? warp_sum(dot) * scale : -INFINITY;
+        top = fmaxf(top, score[u]);
+      }
+      const float corr = expf(m[g] - top);
+      l[g] *= corr;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) acc[g][e] *= corr;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = expf(score[u] - top);
+        l[g] += p;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[g][e] = fmaf(p, vr[u][e], acc[g][e]);
+      }
+      m[g] = top;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GT; ++g) {
+    if (lane == 0) warp_m[warp][g] = m[g], warp_l[warp][g] = l[g];
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) warp_acc[warp][g][lane * EPL + e] = acc[g][e];
+  }
   __syncthreads();
-  float m_all = -INFINITY;
-  for (int w = 0; w < kAttnWarps; ++w) m_all = fmaxf(m_all, part_m[w]);
-  float l_all = 0.0f;
-  for (int w = 0; w < kAttnWarps; ++w) l_all += part_l[w] * expf(part_m[w] - m_all);
-  const float* gate = q + D;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    float v = 0.0f;
-    for (int w = 0; w < kAttnWarps; ++w) v += part_acc[w][i] * expf(part_m[w] - m_all);
-    o[(t * nq + h) * D + i] = v / l_all * sigmoid(gate[i]);
+  // The block's (m, l, acc) per head: warps in order (a warp without keys has m = -inf and weighs 0).
+  const size_t row_split = (static_cast<size_t>(t) * nq + h0) * kMaxSplits + split;
+  for (int i = threadIdx.x; i < GT * D; i += blockDim.x) {
+    const int g = i / D, d = i % D;
+    float top = -INFINITY;
+    for (int w = 0; w < kSplitWarps; ++w) top = fmaxf(top, warp_m[w][g]);
+    float sum_l = 0.0f, sum_acc = 0.0f;
+    for (int w = 0; w < kSplitWarps; ++w) {
+      const float weight = expf(warp_m[w][g] - top);
+      sum_l = fmaf(warp_l[w][g], weight, sum_l);
+      sum_acc = fmaf(warp_acc[w][g][d], weight, sum_acc);
+    }
+    const size_t head = static_cast<size_t>(t) * nq + h0 + g;
+    if (active == 1) {
+      o[head * D + d] = sum_acc / sum_l * sigmoid(qg[head * 2 * D + D + d]);
+    } else {
+      partial_acc[(row_split + static_cast<size_t>(g) * kMaxSplits) * D + d] = sum_acc;
+      if (d == 0) partial_ml[row_split + static_cast<size_t>(g) * kMaxSplits] = make_float2(top, sum_l);
+    }
   }
+  if (active == 1) return;
+  // The last split of this row and tile to finish merges them all (CUDA programming guide, "Memory Fence
+  // Functions": the fence orders this block's partials before its count).
+  __threadfence();
+  __syncthreads();
+  int32_t* counter = counters + static_cast<size_t>(t) * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == active - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (warp < GT) {  // warp g: each split's weight e^(m_s - M) and 1 / sum_s l_s e^(m_s - M) for head g
+    const size_t base = row_split - split + static_cast<size_t>(warp) * kMaxSplits;
+    float ms[kMaxSplits / 32], ls[kMaxSplits / 32], top = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) {
+      const int sp = lane + 32 * i;
+      const float2 ml = sp < active ? __ldcg(partial_ml + base + sp) : make_float2(-INFINITY, 0.0f);
+      ms[i] = ml.x, ls[i] = ml.y, top = fmaxf(top, ml.x);
+    }
+    for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+    float sum_l = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) {
+      const int sp = lane + 32 * i;
+      const float weight = sp < active ? expf(ms[i] - top) : 0.0f;
+      if (sp < active) split_weight[warp][sp] = weight;
+      sum_l = fmaf(ls[i], weight, sum_l);
+    }
+    sum_l = warp_sum(sum_l);
+    if (lane == 0) inverse_l[warp] = 1.0f / sum_l;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < GT * D; i += blockDim.x) {
+    const int g = i / D, d = i % D;
+    const float* part = partial_acc + (row_split - split + static_cast<size_t>(g) * kMaxSplits) * D + d;
+    float sum_acc = 0.0f;
+    for (int sp = 0; sp < active; ++sp)
+      sum_acc = fmaf(__ldcg(part + static_cast<size_t>(sp) * D), split_weight[g][sp], sum_acc);
+    const size_t head = static_cast<size_t>(t) * nq + h0 + g;
+    o[head * D + d] = sum_acc * inverse_l[g] * sigmoid(qg[head * 2 * D + D + d]);
+  }
+  if (threadIdx.x == 0) *counter = 0;
 }
 
 // Prompt prefill on tensor cores: blockIdx = (tile of kFlashWarps * tpw tokens, key-value head). Warp w takes
@@ -1621,11 +1737,19 @@ void qk_norm_rope_store(float* qg, float* k, const float* v, const float* q_norm
   check_launch("qk_norm_rope_store");
 }
 
+int64_t attention_scratch_bytes(int64_t t_count, int64_t nq, int64_t head_dim) {
+  const int64_t heads = t_count * nq;
+  return (heads * 4 + 255) / 256 * 256 + heads * kMaxSplits * (8 + head_dim * 4);
+}
+
 void attention(const float* qg, const float* key_cache, const float* value_cache, int64_t t_count, int64_t nq,
-               int64_t nkv, int64_t head_dim, const int32_t* pos, float* o, void* stream) {
+               int64_t nkv, int64_t head_dim, const int32_t* pos, float* o, void* scratch, void* stream) {
   const cudaStream_t s = as_stream(stream);
+  if (nkv < 1 || nq % nkv != 0 || nq / nkv > 16)
+    fail(ErrorKind::kUnsupported,
+         "--device cuda: {} query heads over {} key-value heads (at most 16 per group)", nq, nkv);
   const int64_t group = nq / nkv;
-  if (t_count >= kGemmMinRows && group <= 16 && nq % nkv == 0) {
+  if (t_count >= kGemmMinRows) {
     const int tpw = static_cast<int>(16 / group);
     const dim3 tiles(static_cast<unsigned>((t_count + kFlashWarps * tpw - 1) / (kFlashWarps * tpw)),
                      static_cast<unsigned>(nkv));
@@ -1654,23 +1778,40 @@ void attention(const float* qg, const float* key_cache, const float* value_cache
     check_launch("attention_prefill");
     return;
   }
-  const dim3 grid(static_cast<unsigned>(t_count), static_cast<unsigned>(nq));
+  if (scratch == nullptr) fail(ErrorKind::kInternal, "attention: no scratch for the split keys");
+  const int heads_per_block = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+  const int64_t tiles = nkv * (group / heads_per_block);
+  // Enough splits for about two blocks per SM on a long row (a short one uses fewer: split_keys).
+  const int splits =
+      static_cast<int>(std::clamp<int64_t>((2 * multiprocessor_count() + tiles - 1) / tiles, 1, kMaxSplits));
+  auto* counters = static_cast<int32_t*>(scratch);
+  const int64_t heads = t_count * nq;
+  auto* ml = reinterpret_cast<float2*>(static_cast<char*>(scratch) + (heads * 4 + 255) / 256 * 256);
+  auto* acc = reinterpret_cast<float*>(ml + heads * kMaxSplits);
+  const dim3 grid(static_cast<unsigned>(t_count), static_cast<unsigned>(tiles),
+                  static_cast<unsigned>(splits));
+  auto launch = [&](auto kernel) {
+    launch_pdl(kernel, grid, kSplitWarps * 32, 0, s, qg, key_cache, value_cache, static_cast<int>(nq),
+               static_cast<int>(nkv), splits, pos, o, counters, ml, acc);
+  };
+  auto by_heads = [&](auto epl) {
+    constexpr int EPL = decltype(epl)::value;
+    if (heads_per_block == 4) return launch(attention_split_kernel<EPL, 4>);
+    if (heads_per_block == 2) return launch(attention_split_kernel<EPL, 2>);
+    launch(attention_split_kernel<EPL, 1>);
+  };
   switch (head_dim) {
     case 32:
-      launch_pdl(attention_kernel<1>, grid, kAttnWarps * 32, 0, s, qg, key_cache, value_cache, nq, nkv, pos,
-                 o);
+      by_heads(std::integral_constant<int, 1>{});
       break;
     case 64:
-      launch_pdl(attention_kernel<2>, grid, kAttnWarps * 32, 0, s, qg, key_cache, value_cache, nq, nkv, pos,
-                 o);
+      by_heads(std::integral_constant<int, 2>{});
       break;
     case 128:
-      launch_pdl(attention_kernel<4>, grid, kAttnWarps * 32, 0, s, qg, key_cache, value_cache, nq, nkv, pos,
-                 o);
+      by_heads(std::integral_constant<int, 4>{});
       break;
     case 256:
-      launch_pdl(attention_kernel<8>, grid, kAttnWarps * 32, 0, s, qg, key_cache, value_cache, nq, nkv, pos,
-                 o);
+      by_heads(std::integral_constant<int, 8>{});
       break;
     default:
       fail(ErrorKind::kUnsupported, "--device cuda: head_dim {} is not supported (32, 64, 128, 256)",

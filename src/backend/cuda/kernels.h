@@ -5,7 +5,7 @@
 // Batch invariance (what makes greedy MTP lossless on the GPU, as on the CPU): every kernel computes a
 // row with the same sequence of floating-point operations whatever the number of rows launched with it.
 // matmul splits the reduction over k the same way for every row count below kGemmMinRows; attention
-// gives each query row its own block with a key split that depends only on the row's own key count;
+// gives each query row its own blocks with a key split that depends only on the row's own key count;
 // the delta rule runs token by token (in the same order whatever the window). Prompt prefill (>=
 // kGemmMinRows rows) uses cuBLAS for the products, a tensor-core attention kernel and the chunked delta rule
 // instead: not bitwise equal to the row kernels, but prefill is the same computation in plain and
@@ -84,9 +84,13 @@ void qk_norm_rope_store(float* qg, float* k, const float* v, const float* q_norm
                         float* value_cache, void* stream);
 
 // Gated attention, step 2: o[t, h] = softmax(q k^T / sqrt(D)) v over cache positions 0..pos[0]+t,
-// times sigmoid(gate).  qg: [T, nq, 2D]; o: [T, nq, D].
+// times sigmoid(gate).  qg: [T, nq, 2D]; o: [T, nq, D]. nq a multiple of nkv, at most 16 query heads per
+// key-value head. Decode and verify rows (T < kGemmMinRows) split each row's keys over many blocks and need
+// `scratch`: device memory of attention_scratch_bytes(T, nq, head_dim) (or more), zeroed before its first
+// use (each launch leaves it ready for the next). Prompts do not use it (it may be null).
+int64_t attention_scratch_bytes(int64_t t_count, int64_t nq, int64_t head_dim);
 void attention(const float* qg, const float* key_cache, const float* value_cache, int64_t t_count, int64_t nq,
-               int64_t nkv, int64_t head_dim, const int32_t* pos, float* o, void* stream);
+               int64_t nkv, int64_t head_dim, const int32_t* pos, float* o, void* scratch, void* stream);
 
 // Gated DeltaNet, causal depthwise conv + SiLU over [conv_state (kc-1 rows); qkv (T rows)] per channel;
 // conv_state becomes the last kc-1 rows. With conv_before, the old state is kept there first.
