@@ -429,10 +429,17 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
     const Matrix in[4] = {n.in_proj_qkv, n.in_proj_z, n.in_proj_b, n.in_proj_a};
     float* const in_out[4] = {qkv, s.z.as<float>(), s.b.as<float>(), s.a.as<float>()};
     cuda::matmul_group(in, in_out, 4, normed, T, workspace());
-    cuda::deltanet_conv(qkv, d.conv.as<float>(), n.conv1d, T, conv, c.linear_conv_kernel_dim, xconv,
-                        record ? d.conv_before.as<float>() : nullptr, st);
-    cuda::deltanet_prepare(xconv, s.b.as<float>(), s.a.as<float>(), n.a_log, n.dt_bias, T, hk, hv, dk, conv,
-                           beta, g, st);
+    float* const conv_before = record ? d.conv_before.as<float>() : nullptr;
+    if (T < cuda::kGemmMinRows && dk <= 128) {  // decode and verify rows: one launch
+      cuda::deltanet_conv_prepare(qkv, d.conv.as<float>(), n.conv1d, s.b.as<float>(), s.a.as<float>(),
+                                  n.a_log, n.dt_bias, T, hk, hv, dk, conv, c.linear_conv_kernel_dim, xconv,
+                                  conv_before, beta, g, st);
+    } else {
+      cuda::deltanet_conv(qkv, d.conv.as<float>(), n.conv1d, T, conv, c.linear_conv_kernel_dim, xconv,
+                          conv_before, st);
+      cuda::deltanet_prepare(xconv, s.b.as<float>(), s.a.as<float>(), n.a_log, n.dt_bias, T, hk, hv, dk, conv,
+                             beta, g, st);
+    }
     if (T >= cuda::kGemmMinRows)  // a prompt (never recorded: windows are shorter)
       cuda::delta_rule_chunked(xconv, g, beta, d.ssm.as<float>(), s.dn_o.as<float>(), T, hk, hv, dk, dv, conv,
                                s.delta_chunks.data(), st);

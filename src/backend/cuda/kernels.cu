@@ -974,6 +974,70 @@ __global__ void deltanet_prepare_kernel(float* x, const float* __restrict__ b, c
   }
 }
 
+// Decode and verify rows (T < kGemmMinRows): conv_kernel and deltanet_prepare_kernel in one launch (one
+// kernel boundary less per DeltaNet layer). Block b < 2 hk takes the dk channels of q head b (k head b - hk):
+// thread i runs channel i's conv over the T tokens in registers (conv_kernel's fmaf sequence), then each
+// token's l2 norm is a block sum over the head (deltanet_prepare_kernel's arithmetic: one element per
+// thread). The v channels follow in blocks of kConvPrepareThreads (conv only); the last block computes the
+// gates. Batch-invariant: each token's outputs use only the state and the tokens before it, in the same
+// order for any T. H200 (BENCHMARKS.md, session 17): decode unchanged (0.8B) to 1% faster (9B); the 0.8B
+// 4-row window 1.14 -> 1.09 decode steps.
+constexpr int kConvPrepareThreads = 128;
+constexpr int kConvPrepareMaxRows = 15;  // kGemmMinRows - 1
+
+__global__ void __launch_bounds__(kConvPrepareThreads)
+    conv_prepare_kernel(const float* __restrict__ qkv, float* conv_state, const float* __restrict__ w,
+                        const float* __restrict__ b, const float* __restrict__ a,
+                        const float* __restrict__ a_log, const float* __restrict__ dt_bias, int t_count,
+                        int hk, int hv, int dk, int channels, int kc, float* __restrict__ x,
+                        float* __restrict__ conv_before, float* __restrict__ beta, float* __restrict__ g) {
+  griddep_wait();
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
+  __shared__ float scratch[32];
+  const int seg = blockIdx.x,
+            v_blocks = (channels - 2 * hk * dk + kConvPrepareThreads - 1) / kConvPrepareThreads;
+  if (seg == 2 * hk + v_blocks) {  // the gates
+    for (int i = threadIdx.x; i < t_count * hv; i += blockDim.x) {
+      const int h = i % hv;
+      beta[i] = sigmoid(b[i]);
+      g[i] = -expf(a_log[h]) * softplus(a[i] + dt_bias[h]);
+    }
+    return;
+  }
+  const bool qk = seg < 2 * hk;
+  const int ch =
+      qk ? seg * dk + threadIdx.x : 2 * hk * dk + (seg - 2 * hk) * kConvPrepareThreads + threadIdx.x;
+  const bool own = qk ? static_cast<int>(threadIdx.x) < dk : ch < channels;
+  float old[kMaxConvKernel], out[kConvPrepareMaxRows];
+  if (own) {
+    for (int r = 0; r < kc - 1; ++r) {
+      old[r] = conv_state[r * channels + ch];
+      if (conv_before != nullptr) conv_before[r * channels + ch] = old[r];
+    }
+    auto row = [&](int r) { return r < kc - 1 ? old[r] : qkv[(r - (kc - 1)) * channels + ch]; };
+#pragma unroll
+    for (int t = 0; t < kConvPrepareMaxRows; ++t) {
+      if (t >= t_count) break;
+      float sum = 0.0f;
+      for (int j = 0; j < kc; ++j) sum = fmaf(w[ch * kc + j], row(t + j), sum);
+      out[t] = silu(sum);
+    }
+    for (int r = 0; r < kc - 1; ++r) conv_state[r * channels + ch] = row(t_count + r);
+  }
+  const float q_scale = 1.0f / sqrtf(static_cast<float>(dk));
+#pragma unroll
+  for (int t = 0; t < kConvPrepareMaxRows; ++t) {
+    if (t >= t_count) break;
+    float v = own ? out[t] : 0.0f;
+    if (qk) {  // uniform per block: every thread reaches the block sum
+      const float ss = block_sum(fmaf(v, v, 0.0f), scratch);
+      v *= 1.0f / sqrtf(ss + 1e-6f);
+      if (seg < hk) v *= q_scale;
+    }
+    if (own) x[static_cast<size_t>(t) * channels + ch] = v;
+  }
+}
+
 // blockIdx = (value head, block of kDeltaColumns columns); a warp holds those columns of the head's
 // [Dk, Dv] state in registers over the window, each column split over kDeltaParts lanes (lane = part *
 // kDeltaColumns + column), each lane Dk / kDeltaParts entries. Per token (§4.2): S = e^g S; kv = k^T S;
@@ -1851,6 +1915,22 @@ void deltanet_prepare(float* x, const float* b, const float* a, const float* a_l
   launch_pdl(deltanet_prepare_kernel, grid, 128, 0, as_stream(stream), x, b, a, a_log, dt_bias, hk, hv, dk,
              conv_dim, beta, g);
   check_launch("deltanet_prepare");
+}
+
+void deltanet_conv_prepare(const float* qkv, float* conv_state, const float* conv_weight, const float* b,
+                           const float* a, const float* a_log, const float* dt_bias, int64_t t_count,
+                           int64_t hk, int64_t hv, int64_t dk, int64_t channels, int64_t kc, float* x,
+                           float* conv_before, float* beta, float* g, void* stream) {
+  if (kc > kMaxConvKernel)
+    fail(ErrorKind::kUnsupported, "--device cuda: conv kernel size {} > {}", kc, kMaxConvKernel);
+  if (t_count < 1 || t_count > kConvPrepareMaxRows || dk > kConvPrepareThreads)
+    fail(ErrorKind::kInternal, "deltanet_conv_prepare: {} rows, key head dim {}", t_count, dk);
+  const int64_t v_blocks = (channels - 2 * hk * dk + kConvPrepareThreads - 1) / kConvPrepareThreads;
+  launch_pdl(conv_prepare_kernel, static_cast<unsigned>(2 * hk + v_blocks + 1), kConvPrepareThreads, 0,
+             as_stream(stream), qkv, conv_state, conv_weight, b, a, a_log, dt_bias, static_cast<int>(t_count),
+             static_cast<int>(hk), static_cast<int>(hv), static_cast<int>(dk), static_cast<int>(channels),
+             static_cast<int>(kc), x, conv_before, beta, g);
+  check_launch("deltanet_conv_prepare");
 }
 
 void delta_rule(const float* x, const float* g, const float* beta, const float* s_in, float* s_out,

@@ -107,6 +107,13 @@ void deltanet_prepare(float* x, const float* b, const float* a, const float* a_l
                       int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t conv_dim, float* beta,
                       float* g, void* stream);
 
+// Decode and verify rows (1..kGemmMinRows - 1 of them, dk <= 128): deltanet_conv then deltanet_prepare in
+// one launch, the same arithmetic.
+void deltanet_conv_prepare(const float* qkv, float* conv_state, const float* conv_weight, const float* b,
+                           const float* a, const float* a_log, const float* dt_bias, int64_t t_count,
+                           int64_t hk, int64_t hv, int64_t dk, int64_t channels, int64_t kc, float* x,
+                           float* conv_before, float* beta, float* g, void* stream);
+
 // The gated delta rule, token by token (§4.2), per value head: state [Hv, Dk, Dv] is read from s_in,
 // written to s_out (may alias), and copied to s_before first when non-null. o: [T, Hv, Dv].
 void delta_rule(const float* x, const float* g, const float* beta, const float* s_in, float* s_out,
