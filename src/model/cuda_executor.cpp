@@ -101,7 +101,6 @@ class CudaExecutor final : public DeviceExecutor {
     int64_t rows = 0;
     Buffer tokens, x, normed, hidden, joined, qg, k, v, attn_o, qkv, xconv, z, b, a, g, beta, dn_o, gate, up,
         rounded, delta_chunks;
-    Buffer attention;  // the split-key attention's partial results and counters (decode and verify rows)
   };
   const void* upload_bytes(const void* host, size_t bytes);
   Matrix upload(const cpu::WeightMatrix& w, const char* what);
@@ -170,6 +169,8 @@ class CudaExecutor final : public DeviceExecutor {
   std::vector<DeviceLayer> layers_;
   std::optional<DeviceHead> head_;
   mutable Scratch scratch_;
+  // The split-key attention's partial results and counters: decode and verify rows only, so one size.
+  Buffer attention_scratch_;
   mutable int64_t scratch_generation_ = 0;
   bool use_graphs_ = true;
   mutable Buffer logits_;
@@ -223,6 +224,10 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
     h.layer = upload(m->layer);
     head_ = h;
   }
+  const auto attention_bytes =
+      static_cast<size_t>(cuda::attention_scratch_bytes(kMaxWindow, c.num_attention_heads, c.head_dim));
+  attention_scratch_ = Buffer(attention_bytes);
+  stream_.zero(attention_scratch_.data(), attention_bytes);
   stream_.synchronize();
   ensure_scratch(cuda::kGemmMinRows);
   logits_ = Buffer(static_cast<size_t>(cuda::kGemmMinRows * c.vocab_size) * sizeof(float));
@@ -337,10 +342,6 @@ void CudaExecutor::ensure_scratch(int64_t rows) const {
   s.beta = f32(hv), s.dn_o = f32(vdim), s.gate = f32(c.intermediate_size), s.up = f32(c.intermediate_size);
   s.rounded = Buffer(static_cast<size_t>(rows * widest) * 4);  // hi + lo 16-bit halves
   s.delta_chunks = Buffer(static_cast<size_t>(cuda::delta_rule_chunked_scratch_bytes(rows, hv)));
-  const auto attention_bytes =
-      static_cast<size_t>(cuda::attention_scratch_bytes(kMaxWindow, c.num_attention_heads, c.head_dim));
-  s.attention = Buffer(attention_bytes);
-  stream_.zero(s.attention.data(), attention_bytes);
   stream_.synchronize();  // the old buffers may still be in use by queued work
   scratch_ = std::move(s);
   ++scratch_generation_;  // graphs captured on the old buffers are stale
@@ -413,7 +414,7 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
                              seq.pos.as<int32_t>(), kv->keys.as<float>(), kv->values.as<float>(), st);
     cuda::attention(s.qg.as<float>(), kv->keys.as<float>(), kv->values.as<float>(), T, c.num_attention_heads,
                     c.num_kv_heads, c.head_dim, seq.pos.as<int32_t>(), s.attn_o.as<float>(),
-                    s.attention.data(), st);
+                    attention_scratch_.data(), st);
     mm(a.o_proj, s.attn_o.as<float>(), T, x, /*accumulate=*/true);  // x += o_proj(o)
   } else {
     const DeviceDeltaNet& n = l.delta_net;
@@ -429,17 +430,9 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
     const Matrix in[4] = {n.in_proj_qkv, n.in_proj_z, n.in_proj_b, n.in_proj_a};
     float* const in_out[4] = {qkv, s.z.as<float>(), s.b.as<float>(), s.a.as<float>()};
     cuda::matmul_group(in, in_out, 4, normed, T, workspace());
-    float* const conv_before = record ? d.conv_before.as<float>() : nullptr;
-    if (T < cuda::kGemmMinRows && dk <= 128) {  // decode and verify rows: one launch
-      cuda::deltanet_conv_prepare(qkv, d.conv.as<float>(), n.conv1d, s.b.as<float>(), s.a.as<float>(),
-                                  n.a_log, n.dt_bias, T, hk, hv, dk, conv, c.linear_conv_kernel_dim, xconv,
-                                  conv_before, beta, g, st);
-    } else {
-      cuda::deltanet_conv(qkv, d.conv.as<float>(), n.conv1d, T, conv, c.linear_conv_kernel_dim, xconv,
-                          conv_before, st);
-      cuda::deltanet_prepare(xconv, s.b.as<float>(), s.a.as<float>(), n.a_log, n.dt_bias, T, hk, hv, dk, conv,
-                             beta, g, st);
-    }
+    cuda::deltanet_conv_prepare(qkv, d.conv.as<float>(), n.conv1d, s.b.as<float>(), s.a.as<float>(), n.a_log,
+                                n.dt_bias, T, hk, hv, dk, conv, c.linear_conv_kernel_dim, xconv,
+                                record ? d.conv_before.as<float>() : nullptr, beta, g, st);
     if (T >= cuda::kGemmMinRows)  // a prompt (never recorded: windows are shorter)
       cuda::delta_rule_chunked(xconv, g, beta, d.ssm.as<float>(), s.dn_o.as<float>(), T, hk, hv, dk, dv, conv,
                                s.delta_chunks.data(), st);

@@ -884,6 +884,26 @@ __global__ void __launch_bounds__(kFlashWarps * 32)
 
 constexpr int kMaxConvKernel = 8;
 
+// silu(sum_j w[j] row(t + j)): the conv's output for token t of one channel, where row(r) is row r of
+// [conv_state (kc - 1 rows); qkv] and w the channel's kc weights. Every conv kernel goes through it (the
+// same fmaf sequence for a token whichever kernel runs it).
+template <typename Index, typename Row>
+__device__ __forceinline__ float conv_output(const float* __restrict__ w, Index kc, Row row, Index t) {
+  float s = 0.0f;
+  for (Index j = 0; j < kc; ++j) s = fmaf(w[j], row(t + j), s);
+  return silu(s);
+}
+
+// The DeltaNet gates of one (token, value head) entry i = t * hv + h: beta = sigmoid(b), g = -exp(a_log)
+// softplus(a + dt_bias).
+__device__ __forceinline__ void deltanet_gates(int64_t i, int64_t h, const float* __restrict__ b,
+                                               const float* __restrict__ a, const float* __restrict__ a_log,
+                                               const float* __restrict__ dt_bias, float* __restrict__ beta,
+                                               float* __restrict__ g) {
+  beta[i] = sigmoid(b[i]);
+  g[i] = -expf(a_log[h]) * softplus(a[i] + dt_bias[h]);
+}
+
 // x == nullptr: only the state moves on (the prefill path's outputs come from conv_rows_kernel).
 __global__ void conv_kernel(const float* __restrict__ qkv, float* conv_state, const float* __restrict__ w,
                             int64_t t_count, int64_t channels, int64_t kc, float* __restrict__ x,
@@ -899,11 +919,7 @@ __global__ void conv_kernel(const float* __restrict__ qkv, float* conv_state, co
   }
   auto row = [&](int64_t r) { return r < kc - 1 ? old[r] : qkv[(r - (kc - 1)) * channels + ch]; };
   if (x != nullptr)
-    for (int64_t t = 0; t < t_count; ++t) {
-      float s = 0.0f;
-      for (int64_t j = 0; j < kc; ++j) s = fmaf(w[ch * kc + j], row(t + j), s);
-      x[t * channels + ch] = silu(s);
-    }
+    for (int64_t t = 0; t < t_count; ++t) x[t * channels + ch] = conv_output(w + ch * kc, kc, row, t);
   for (int64_t r = 0; r < kc - 1; ++r) conv_state[r * channels + ch] = row(t_count + r);
 }
 
@@ -923,11 +939,8 @@ __global__ void conv_rows_kernel(const float* __restrict__ qkv, const float* __r
     return r < kc - 1 ? conv_state[r * channels + ch] : qkv[(r - (kc - 1)) * channels + ch];
   };
   const int64_t t_end = (blockIdx.y + 1) * kConvRows < t_count ? (blockIdx.y + 1) * kConvRows : t_count;
-  for (int64_t t = blockIdx.y * kConvRows; t < t_end; ++t) {
-    float s = 0.0f;
-    for (int64_t j = 0; j < kc; ++j) s = fmaf(w[ch * kc + j], row(t + j), s);
-    x[t * channels + ch] = silu(s);
-  }
+  for (int64_t t = blockIdx.y * kConvRows; t < t_end; ++t)
+    x[t * channels + ch] = conv_output(w + ch * kc, kc, row, t);
 }
 
 __global__ void conv_rollback_kernel(const float* __restrict__ conv_before, const float* __restrict__ qkv,
@@ -954,11 +967,8 @@ __global__ void deltanet_prepare_kernel(float* x, const float* __restrict__ b, c
   __shared__ float scratch[32];
   const int64_t t = blockIdx.x, seg = blockIdx.y;
   if (seg == 2 * hk) {
-    for (int64_t h = threadIdx.x; h < hv; h += blockDim.x) {
-      const int64_t i = t * hv + h;
-      beta[i] = sigmoid(b[i]);
-      g[i] = -expf(a_log[h]) * softplus(a[i] + dt_bias[h]);
-    }
+    for (int64_t h = threadIdx.x; h < hv; h += blockDim.x)
+      deltanet_gates(t * hv + h, h, b, a, a_log, dt_bias, beta, g);
     return;
   }
   float* xs = x + t * conv_dim + seg * dk;
@@ -983,7 +993,7 @@ __global__ void deltanet_prepare_kernel(float* x, const float* __restrict__ b, c
 // order for any T. H200 (BENCHMARKS.md, session 17): decode unchanged (0.8B) to 1% faster (9B); the 0.8B
 // 4-row window 1.14 -> 1.09 decode steps.
 constexpr int kConvPrepareThreads = 128;
-constexpr int kConvPrepareMaxRows = 15;  // kGemmMinRows - 1
+constexpr int kConvPrepareMaxRows = kGemmMinRows - 1;
 
 __global__ void __launch_bounds__(kConvPrepareThreads)
     conv_prepare_kernel(const float* __restrict__ qkv, float* conv_state, const float* __restrict__ w,
@@ -997,11 +1007,8 @@ __global__ void __launch_bounds__(kConvPrepareThreads)
   const int seg = blockIdx.x,
             v_blocks = (channels - 2 * hk * dk + kConvPrepareThreads - 1) / kConvPrepareThreads;
   if (seg == 2 * hk + v_blocks) {  // the gates
-    for (int i = threadIdx.x; i < t_count * hv; i += blockDim.x) {
-      const int h = i % hv;
-      beta[i] = sigmoid(b[i]);
-      g[i] = -expf(a_log[h]) * softplus(a[i] + dt_bias[h]);
-    }
+    for (int i = threadIdx.x; i < t_count * hv; i += blockDim.x)
+      deltanet_gates(i, i % hv, b, a, a_log, dt_bias, beta, g);
     return;
   }
   const bool qk = seg < 2 * hk;
@@ -1018,9 +1025,7 @@ __global__ void __launch_bounds__(kConvPrepareThreads)
 #pragma unroll
     for (int t = 0; t < kConvPrepareMaxRows; ++t) {
       if (t >= t_count) break;
-      float sum = 0.0f;
-      for (int j = 0; j < kc; ++j) sum = fmaf(w[ch * kc + j], row(t + j), sum);
-      out[t] = silu(sum);
+      out[t] = conv_output(w + ch * kc, kc, row, t);
     }
     for (int r = 0; r < kc - 1; ++r) conv_state[r * channels + ch] = row(t_count + r);
   }
@@ -1216,6 +1221,16 @@ __device__ __forceinline__ void stage(int tid, Src src, Dst dst) {
   }
 }
 
+// Stages one key head's q (or k) rows of a chunk: kDeltaChunkRows token rows of DK floats, `stride` apart
+// from `rows`, into dst with row stride kDstStride; rows from n on are zero (past the prompt's end).
+template <int kThreads, int DK, int kDstStride>
+__device__ __forceinline__ void stage_head_rows(int tid, const float* rows, int64_t stride, int n,
+                                                float* dst) {
+  stage<kThreads, kDeltaChunkRows * DK>(
+      tid, [&](int i) { return i / DK < n ? rows[(i / DK) * stride + i % DK] : 0.0f; },
+      [&](int i, float v) { dst[(i / DK) * kDstStride + i % DK] = v; });
+}
+
 // Per (value head h, chunk): tinv and p [C][C] at ((h * chunks + chunk) * C * C), G [C] at
 // ((h * chunks + chunk) * C).
 template <int DK>
@@ -1242,12 +1257,8 @@ __global__ void __launch_bounds__(kDeltaMatricesThreads)
   const int tid = static_cast<int>(threadIdx.x);
   const float* const k_rows = x + t0 * conv_dim + hk * DK + key_head * DK;
   const float* const q_rows = x + t0 * conv_dim + key_head * DK;
-  stage<kDeltaMatricesThreads, C * DK>(
-      tid, [&](int i) { return i / DK < n ? k_rows[(i / DK) * conv_dim + i % DK] : 0.0f; },
-      [&](int i, float v) { ks[(i / DK) * KS + i % DK] = v; });
-  stage<kDeltaMatricesThreads, C * DK>(
-      tid, [&](int i) { return i / DK < n ? q_rows[(i / DK) * conv_dim + i % DK] : 0.0f; },
-      [&](int i, float v) { qs[(i / DK) * KS + i % DK] = v; });
+  stage_head_rows<kDeltaMatricesThreads, DK, KS>(tid, k_rows, conv_dim, n, ks);
+  stage_head_rows<kDeltaMatricesThreads, DK, KS>(tid, q_rows, conv_dim, n, qs);
   if (tid < C) {
     gs[tid] = tid < n ? g[(t0 + tid) * hv + h] : 0.0f;
     bs[tid] = tid < n ? beta[(t0 + tid) * hv + h] : 0.0f;
@@ -1371,12 +1382,8 @@ __global__ void __launch_bounds__(kDeltaScanThreads)
     __syncthreads();  // the previous chunk is done with the buffers
     const float* const k_rows = x + t0 * conv_dim + hk * DK + key_head * DK;
     const float* const q_rows = x + t0 * conv_dim + key_head * DK;
-    stage<kDeltaScanThreads, C * DK>(
-        tid, [&](int i) { return i / DK < n ? k_rows[(i / DK) * conv_dim + i % DK] : 0.0f; },
-        [&](int i, float v) { ks[(i / DK) * KS + i % DK] = v; });
-    stage<kDeltaScanThreads, C * DK>(
-        tid, [&](int i) { return i / DK < n ? q_rows[(i / DK) * conv_dim + i % DK] : 0.0f; },
-        [&](int i, float v) { qs[(i / DK) * KS + i % DK] = v; });
+    stage_head_rows<kDeltaScanThreads, DK, KS>(tid, k_rows, conv_dim, n, ks);
+    stage_head_rows<kDeltaScanThreads, DK, KS>(tid, q_rows, conv_dim, n, qs);
     stage<kDeltaScanThreads, C * C>(
         tid, [&](int i) { return tinv[base + i]; }, [&](int i, float v) { ts[(i / C) * MS + i % C] = v; });
     stage<kDeltaScanThreads, C * C>(
@@ -1921,10 +1928,14 @@ void deltanet_conv_prepare(const float* qkv, float* conv_state, const float* con
                            const float* a, const float* a_log, const float* dt_bias, int64_t t_count,
                            int64_t hk, int64_t hv, int64_t dk, int64_t channels, int64_t kc, float* x,
                            float* conv_before, float* beta, float* g, void* stream) {
+  if (t_count > kConvPrepareMaxRows || dk > kConvPrepareThreads) {  // prompts: the two kernels
+    deltanet_conv(qkv, conv_state, conv_weight, t_count, channels, kc, x, conv_before, stream);
+    deltanet_prepare(x, b, a, a_log, dt_bias, t_count, hk, hv, dk, channels, beta, g, stream);
+    return;
+  }
+  if (t_count < 1) return;
   if (kc > kMaxConvKernel)
     fail(ErrorKind::kUnsupported, "--device cuda: conv kernel size {} > {}", kc, kMaxConvKernel);
-  if (t_count < 1 || t_count > kConvPrepareMaxRows || dk > kConvPrepareThreads)
-    fail(ErrorKind::kInternal, "deltanet_conv_prepare: {} rows, key head dim {}", t_count, dk);
   const int64_t v_blocks = (channels - 2 * hk * dk + kConvPrepareThreads - 1) / kConvPrepareThreads;
   launch_pdl(conv_prepare_kernel, static_cast<unsigned>(2 * hk + v_blocks + 1), kConvPrepareThreads, 0,
              as_stream(stream), qkv, conv_state, conv_weight, b, a, a_log, dt_bias, static_cast<int>(t_count),

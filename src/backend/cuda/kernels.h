@@ -107,8 +107,8 @@ void deltanet_prepare(float* x, const float* b, const float* a, const float* a_l
                       int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t conv_dim, float* beta,
                       float* g, void* stream);
 
-// Decode and verify rows (1..kGemmMinRows - 1 of them, dk <= 128): deltanet_conv then deltanet_prepare in
-// one launch, the same arithmetic.
+// deltanet_conv then deltanet_prepare (x is the conv's output, normalized in place). Decode and verify rows
+// (fewer than kGemmMinRows, dk <= 128) run both in one launch with the same arithmetic.
 void deltanet_conv_prepare(const float* qkv, float* conv_state, const float* conv_weight, const float* b,
                            const float* a, const float* a_log, const float* dt_bias, int64_t t_count,
                            int64_t hk, int64_t hv, int64_t dk, int64_t channels, int64_t kc, float* x,
