@@ -212,7 +212,8 @@ TEST(Cuda, TopKPassesReturnTheSurvivorsAndSampleAsTheFullRows) {
     InferenceState a = gpu->new_state(8), b = gpu->new_state(8);
     ForwardResult full, survivors;
     gpu->forward(a, prompt, LogitRows::kAll, full);
-    gpu->forward(b, prompt, LogitRows::kAll, survivors, /*record_window=*/true, 0, 0, TopKRequest{limit, 20});
+    gpu->forward(b, prompt, LogitRows::kAll, survivors, /*record_window=*/true, 0, 0,
+                 CandidateRequest{.limit = limit, .top_k = 20});
     ASSERT_TRUE(survivors.candidates.present()) << "limit " << limit;
     ASSERT_EQ(survivors.candidates.rows(), static_cast<int64_t>(prompt.size()));
     EXPECT_TRUE(survivors.logits.empty());
@@ -233,7 +234,7 @@ TEST(Cuda, TopKPassesReturnTheSurvivorsAndSampleAsTheFullRows) {
     const int64_t draft_ids = V / 2;
     mtp_forward(*gpu, ha, hidden, next, 0, LogitRows::kLast, head_full, draft_ids);
     mtp_forward(*gpu, hb, hidden, next, 0, LogitRows::kLast, head_survivors, draft_ids, 0,
-                TopKRequest{std::min(limit, draft_ids), 20});
+                CandidateRequest{.limit = std::min(limit, draft_ids), .top_k = 20});
     ASSERT_TRUE(head_survivors.candidates.present());
     const TokenDistribution want = truncate(head_full.logits, sampler, std::min(limit, draft_ids));
     const TokenDistribution got = truncate_candidates(head_survivors.candidates.row_ids(0),
@@ -244,7 +245,7 @@ TEST(Cuda, TopKPassesReturnTheSurvivorsAndSampleAsTheFullRows) {
   {  // a k past what the GPU serves: the logits come back
     InferenceState s = gpu->new_state(8);
     ForwardResult r;
-    gpu->forward(s, prompt, LogitRows::kLast, r, false, 0, 0, TopKRequest{V, 4000});
+    gpu->forward(s, prompt, LogitRows::kLast, r, false, 0, 0, CandidateRequest{.limit = V, .top_k = 4000});
     EXPECT_FALSE(r.candidates.present());
     EXPECT_EQ(r.logits.size(), static_cast<size_t>(V));
   }
@@ -255,6 +256,82 @@ TEST(Cuda, TopKPassesReturnTheSurvivorsAndSampleAsTheFullRows) {
     o.max_tokens = 48;
     o.sampler = sampler;
     o.seed = 5;
+    o.draft = draft;
+    const GenerateResult first = generate(*gpu, prompt, o), second = generate(*gpu, prompt, o);
+    EXPECT_GT(first.tokens.size(), 10u) << "draft " << draft;
+    EXPECT_EQ(first.tokens, second.tokens) << "draft " << draft;
+  }
+}
+
+// Sampling with top-p or min-p and no top-k on the GPU: passes bring back the rows' top candidates with
+// the rest's mass where those decide the truncation, and the sampler's truncation of them is its truncation
+// of the full row from a pass without the request, to the bit; the rest's mass is the sum over the other
+// ids (double, here) to 1e-9. Rows the candidates do not decide come back as logits. Sampled generations
+// (plain and MTP) are reproducible from the seed.
+TEST(Cuda, TopPAndMinPPassesReturnCandidatesThatDecideTheRows) {
+  MTPX_GPU_MODEL(gpu, kDefaultModel);
+  const int64_t V = gpu->config().vocab_size;
+  const auto prompt = prompt_for(*gpu, 6);
+  int decided_rows = 0, whole_passes = 0;
+  for (const SamplerParams& sampler :
+       {SamplerParams{.temperature = 0.5, .top_p = 0.9}, SamplerParams{.temperature = 1.0, .min_p = 0.05},
+        SamplerParams{.temperature = 0.8, .top_p = 0.95, .min_p = 0.02},
+        SamplerParams{.temperature = 1.5, .top_p = 0.999}}) {
+    for (int64_t limit : {V, int64_t{3000}}) {
+      InferenceState a = gpu->new_state(8), b = gpu->new_state(8);
+      ForwardResult full, got;
+      gpu->forward(a, prompt, LogitRows::kAll, full);
+      gpu->forward(b, prompt, LogitRows::kAll, got, /*record_window=*/true, 0, 0,
+                   candidate_request(sampler, limit));
+      const std::string where = fmt::format("T {} top-p {} min-p {} limit {}", sampler.temperature,
+                                            sampler.top_p, sampler.min_p, limit);
+      if (!got.candidates.present()) {  // some row not decided: all rows' logits, those of the plain pass
+        EXPECT_EQ(got.logits, full.logits) << where;
+        ++whole_passes;
+        continue;
+      }
+      ASSERT_EQ(got.candidates.rows(), static_cast<int64_t>(prompt.size())) << where;
+      EXPECT_TRUE(got.logits.empty()) << where;
+      for (size_t r = 0; r < prompt.size(); ++r) {
+        const std::span<const float> row(&full.logits[r * static_cast<size_t>(V)], static_cast<size_t>(V));
+        const auto ids = got.candidates.row_ids(static_cast<int64_t>(r));
+        const auto values = got.candidates.row_logits(static_cast<int64_t>(r));
+        // The candidates are the row's top: every id < limit at or above the lowest of them.
+        const float lowest = *std::min_element(values.begin(), values.end());
+        std::vector<int32_t> want_ids;
+        double max_logit = -INFINITY;
+        for (int32_t i = 0; i < limit; ++i) {
+          if (row[static_cast<size_t>(i)] >= lowest) want_ids.push_back(i);
+          max_logit = std::max(max_logit, static_cast<double>(row[static_cast<size_t>(i)]));
+        }
+        std::vector<int32_t> sorted_ids(ids.begin(), ids.end());
+        std::sort(sorted_ids.begin(), sorted_ids.end());
+        ASSERT_EQ(sorted_ids, want_ids) << where << " row " << r;
+        for (size_t i = 0; i < ids.size(); ++i)
+          ASSERT_EQ(values[i], row[static_cast<size_t>(ids[i])]) << where << " row " << r;
+        double rest = 0.0;
+        for (int32_t i = 0; i < limit; ++i)
+          if (row[static_cast<size_t>(i)] < lowest)
+            rest += std::exp((static_cast<double>(row[static_cast<size_t>(i)]) - max_logit) /
+                             sampler.temperature);
+        EXPECT_NEAR(got.candidates.row_rest_mass(static_cast<int64_t>(r)), rest, 1e-9 * (1.0 + rest))
+            << where << " row " << r;
+        const TokenDistribution want = truncate(row, sampler, limit);
+        const TokenDistribution from_candidates =
+            truncate_candidates(ids, values, sampler, got.candidates.row_rest_mass(static_cast<int64_t>(r)));
+        EXPECT_EQ(from_candidates.ids, want.ids) << where << " row " << r;
+        EXPECT_EQ(from_candidates.probs, want.probs) << where << " row " << r;
+        ++decided_rows;
+      }
+    }
+  }
+  EXPECT_GT(decided_rows, 24);  // most passes are decided by their candidates
+  EXPECT_GT(whole_passes, 0);   // T 1.5 with top-p 0.999 reaches past them
+  for (int64_t draft : {0, 2}) {
+    GenerateOptions o;
+    o.max_tokens = 48;
+    o.sampler = {.temperature = 0.8, .top_p = 0.9};
+    o.seed = 9;
     o.draft = draft;
     const GenerateResult first = generate(*gpu, prompt, o), second = generate(*gpu, prompt, o);
     EXPECT_GT(first.tokens.size(), 10u) << "draft " << draft;
@@ -429,7 +506,10 @@ TEST(Cuda, Bf16RowProductsAreAccurateAndBatchInvariant) {
   struct Shape {
     int64_t rows, cols;
   };
-  for (const Shape shape : {Shape{40, 256}, Shape{16, 128}, Shape{7, 64}, Shape{33, 72}}) {
+  // 72 x 1024: stored products take two tiles per block, the last one half past the end; 40 x 4096: a
+  // residual product of few tiles and many k-blocks splits k over 16 warps.
+  for (const Shape shape :
+       {Shape{40, 256}, Shape{16, 128}, Shape{7, 64}, Shape{33, 72}, Shape{72, 1024}, Shape{40, 4096}}) {
     const int64_t R = shape.rows, C = shape.cols;
     SCOPED_TRACE(std::to_string(R) + " x " + std::to_string(C));
     // Matrices 0 and 1 (the group; gate and up for SwiGLU), bf16 values kept as doubles for the reference.

@@ -140,6 +140,68 @@ TEST(Sampler, TruncatingTheTopKCandidatesIsTruncatingTheRow) {
   EXPECT_THROW(truncate_candidates({}, {}, {.temperature = 1.0, .top_k = 5}), Error);
 }
 
+// Without top-k, a device sends back the top of the row (every id < limit at or above a threshold) and the
+// rest's mass: where CandidateRequest::decided_by() says they decide top-p or min-p, truncate_candidates on
+// them is truncate on the whole row, to the bit; where they do not and the sampler's own sums agree, it
+// fails rather than sample from a distribution missing the rest. Candidates are found here by sorting a
+// copy, the rest's mass summed here in double (descending order, unlike the sampler's).
+TEST(Sampler, ThresholdCandidatesWithTheRestMassDecideTheTruncationOfTheRow) {
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  int decided = 0, undecided = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const int64_t n = 50 + trial * 97 % 3000, limit = n - trial % 4;
+    std::vector<float> logits(static_cast<size_t>(n));
+    for (float& l : logits) l = trial % 5 == 0 ? std::round(normal(rng)) : normal(rng);  // ties on a grid
+    std::vector<float> sorted(logits.begin(), logits.begin() + limit);
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    for (int64_t top : {int64_t{1}, int64_t{8}, int64_t{40}, limit / 3}) {
+      if (top < 1 || top >= limit) continue;
+      const float threshold = sorted[static_cast<size_t>(top - 1)];
+      std::vector<int32_t> ids;
+      for (int32_t i = 0; i < limit; ++i)
+        if (logits[static_cast<size_t>(i)] >= threshold) ids.push_back(i);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      std::vector<float> values;
+      for (int32_t id : ids) values.push_back(logits[static_cast<size_t>(id)]);
+      for (const SamplerParams& p :
+           {SamplerParams{.temperature = 0.7, .top_p = 0.9}, SamplerParams{.temperature = 1.0, .min_p = 0.05},
+            SamplerParams{.temperature = 1.3, .top_p = 0.6, .min_p = 0.2},
+            SamplerParams{.temperature = 0.3, .top_p = 0.99}}) {
+        const double inv_t = 1.0 / p.temperature, max_logit = sorted[0];
+        double candidate_mass = 0.0, rest_mass = 0.0;
+        for (float l : sorted)
+          (l >= threshold ? candidate_mass : rest_mass) +=
+              std::exp((static_cast<double>(l) - max_logit) * inv_t);
+        const double lowest_weight = std::exp((static_cast<double>(threshold) - max_logit) * inv_t);
+        const CandidateRequest request = candidate_request(p, limit);
+        ASSERT_TRUE(request.active());
+        const TokenDistribution full = truncate(logits, p, limit);
+        if (request.decided_by(candidate_mass, rest_mass, lowest_weight)) {
+          const TokenDistribution from_candidates = truncate_candidates(ids, values, p, rest_mass);
+          ASSERT_EQ(full.ids, from_candidates.ids) << "n " << n << " top " << top << " T " << p.temperature;
+          ASSERT_EQ(full.probs, from_candidates.probs)
+              << "n " << n << " top " << top << " T " << p.temperature;
+          ++decided;
+        } else if (rest_mass > 0.0 && full.ids.size() > ids.size()) {
+          // The row's truncation keeps ids below the candidates: they cannot give it.
+          EXPECT_THROW(truncate_candidates(ids, values, p, rest_mass), Error) << "n " << n << " top " << top;
+          ++undecided;
+        }
+      }
+    }
+  }
+  EXPECT_GT(decided, 300);
+  EXPECT_GT(undecided, 100);
+  // Greedy needs no candidates; sampling does, top-k or not; a negative rest mass is refused.
+  EXPECT_FALSE(candidate_request({.temperature = 0.0, .top_k = 20}, 100).active());
+  EXPECT_FALSE(candidate_request({.temperature = 1.0}, 100).active());  // the whole row is sampled
+  EXPECT_TRUE(candidate_request({.temperature = 1.0, .top_k = 20}, 100).top_k_active());
+  EXPECT_FALSE(candidate_request({.temperature = 1.0, .top_k = 100, .top_p = 0.9}, 100).top_k_active());
+  EXPECT_THROW(truncate_candidates(std::vector<int32_t>{1}, std::vector<float>{0.0f}, {.top_p = 0.5}, -1.0),
+               Error);
+}
+
 // The top-k scan skips blocks of logits that all lose to the heap's top: orders where the top changes
 // within a block (ascending, by 0.01 or by a hair), never (descending) or at random, block edges and tails
 // included.

@@ -30,16 +30,15 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
 
   // Greedy: the pass's own argmax (on a device only that id is copied back), the one-hot truncate() gives.
   const int64_t argmax_limit = options.sampler.greedy() ? vocab_limit : 0;
-  // Sampling with top-k: on a device only each row's survivors of top-k come back (device.h).
-  const TopKRequest top_k =
-      options.sampler.greedy() ? TopKRequest{} : TopKRequest{vocab_limit, options.sampler.top_k};
+  // Sampling: on a device only each row's candidates come back where they decide the truncation (device.h).
+  const CandidateRequest sample_request = candidate_request(options.sampler, vocab_limit);
   auto t0 = Clock::now();
-  model.forward(state, prompt, LogitRows::kLast, forward, false, argmax_limit, 0, top_k);
+  model.forward(state, prompt, LogitRows::kLast, forward, false, argmax_limit, 0, sample_request);
   auto next = [&]() {
     if (argmax_limit > 0) return sample(one_hot(forward.argmax[0]), rng);
     if (forward.candidates.present())
       return sample(truncate_candidates(forward.candidates.row_ids(0), forward.candidates.row_logits(0),
-                                        options.sampler),
+                                        options.sampler, forward.candidates.row_rest_mass(0)),
                     rng);
     return sample(truncate(forward.logits, options.sampler, vocab_limit), rng);
   };
@@ -60,7 +59,7 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
       break;
     }
     model.forward(state, std::span<const int32_t>(&token, 1), LogitRows::kLast, forward, false, argmax_limit,
-                  0, top_k);
+                  0, sample_request);
     ++result.stats.decode_steps;
     token = next();
   }

@@ -49,8 +49,11 @@ namespace {
 
 // What truncate() does once top-k has chosen the survivors: `ids` (any order) with logit(id) their logits.
 // Sorted highest logit first (ties: lower id first), then softmax(logit / T), top-p, min-p, renormalized.
+// rest_mass > 0: the ids are the top of a row whose other ids weigh rest_mass in all (each
+// exp(logit / T - max / T)); it counts in top-p's total, and the result must not reach below the ids.
 template <typename LogitOf>
-TokenDistribution truncate_survivors(std::vector<int32_t> ids, LogitOf logit, const SamplerParams& p) {
+TokenDistribution truncate_survivors(std::vector<int32_t> ids, LogitOf logit, const SamplerParams& p,
+                                     double rest_mass = 0.0) {
   TokenDistribution d;
   std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
     const float la = logit(a), lb = logit(b);
@@ -66,25 +69,31 @@ TokenDistribution truncate_survivors(std::vector<int32_t> ids, LogitOf logit, co
     w[i] = std::exp(static_cast<double>(logit(ids[i])) * inv_t - max_logit);
     total += w[i];
   }
+  total += rest_mass;
+  bool cut = false;  // whether top-p or min-p dropped ids here (then they drop every id below too)
   size_t keep = ids.size();
   if (p.top_p < 1.0) {
     // Keep token i while the mass strictly before it is < p (HF removes tokens whose ascending cumsum <=
-    // 1-p).
+    // 1-p). i == size: the first id past these (nothing, or the rest's first).
     double before = 0.0;
-    for (size_t i = 0; i < keep; ++i) {
+    for (size_t i = 0; i <= ids.size(); ++i) {
       if (before / total >= p.top_p && i > 0) {
         keep = i;
+        cut = true;
         break;
       }
-      before += w[i];
+      if (i < ids.size()) before += w[i];
     }
   }
   if (p.min_p > 0.0) {
     const double floor = p.min_p * w[0];
     size_t i = 1;
     while (i < keep && w[i] >= floor) ++i;
+    cut |= i < ids.size();
     keep = i;
   }
+  if (rest_mass > 0.0 && !cut)
+    fail(ErrorKind::kInternal, "sampling candidates do not decide the truncation (rest mass {})", rest_mass);
   double kept_total = 0.0;
   for (size_t i = 0; i < keep; ++i) kept_total += w[i];
   d.ids.assign(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(keep));
@@ -141,9 +150,10 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
 }
 
 TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<const float> logits,
-                                      const SamplerParams& p) {
+                                      const SamplerParams& p, double rest_mass) {
   if (ids.empty() || ids.size() != logits.size())
     invalid_input("truncate_candidates: {} ids with {} logits", ids.size(), logits.size());
+  if (!(rest_mass >= 0.0)) invalid_input("truncate_candidates: a rest mass of {}", rest_mass);
   if (p.greedy()) {
     size_t best = 0;
     for (size_t i = 1; i < ids.size(); ++i)
@@ -157,7 +167,7 @@ TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<co
   auto logit = [&](int32_t id) {
     return std::lower_bound(by_id.begin(), by_id.end(), std::pair<int32_t, float>{id, -INFINITY})->second;
   };
-  return truncate_survivors(std::vector<int32_t>(ids.begin(), ids.end()), logit, p);
+  return truncate_survivors(std::vector<int32_t>(ids.begin(), ids.end()), logit, p, rest_mass);
 }
 
 int32_t sample(const TokenDistribution& d, Rng& rng) {
@@ -168,6 +178,15 @@ int32_t sample(const TokenDistribution& d, Rng& rng) {
     if (u < cumulative) return d.ids[i];
   }
   return d.ids.back();  // u beyond the float-rounded total
+}
+
+CandidateRequest candidate_request(const SamplerParams& p, int64_t vocab_limit) {
+  if (p.greedy()) return {};
+  return {.limit = vocab_limit,
+          .top_k = p.top_k,
+          .temperature = p.temperature,
+          .top_p = p.top_p,
+          .min_p = p.min_p};
 }
 
 SamplerParams sampler_defaults(const GenerationConfig& g) {

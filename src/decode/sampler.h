@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "io/model_config.h"
+#include "model/device.h"
 
 namespace mtpx {
 
@@ -42,11 +43,20 @@ struct TokenDistribution {
 // Only ids < vocab_limit are eligible (embedding rows past the tokenizer's vocabulary are padding).
 TokenDistribution truncate(std::span<const float> logits, const SamplerParams& params, int64_t vocab_limit);
 
-// truncate() from the survivors of its top-k alone: `ids` are every id < vocab_limit whose logit is >= the
-// top_k-th largest of those (ties included), `logits` theirs. The result is truncate()'s on the full row
-// (0 < top_k < vocab_limit): what a device sends back for sampling instead of the whole row (device.h).
+// truncate() from a device's candidates (model/device.h: CandidateRequest), what it sends back for
+// sampling instead of the whole row: the result is truncate()'s on the full row.
+// - With top-k (0 < top_k < vocab_limit): `ids` are every id < vocab_limit whose logit is >= the top_k-th
+//   largest of those (ties included), `logits` theirs, rest_mass 0.
+// - Without: `ids` are every id < vocab_limit whose logit is >= some threshold, and rest_mass the sum of
+//   exp((logit - max) / T) over the ids below it (max: the row's largest logit). It counts in top-p's
+//   total; top-p's prefix must end inside the ids or min-p must drop some of them (an mtpx::Error,
+//   kInternal, when neither does: the ids below would be needed).
 TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<const float> logits,
-                                      const SamplerParams& params);
+                                      const SamplerParams& params, double rest_mass = 0.0);
+
+// What a device is asked to send back for sampling with `params` over ids < vocab_limit (none for greedy:
+// the passes' argmax serves it).
+CandidateRequest candidate_request(const SamplerParams& params, int64_t vocab_limit);
 
 // The largest logit's id among ids < vocab_limit (lowest id on ties).
 int32_t argmax(std::span<const float> logits, int64_t vocab_limit);

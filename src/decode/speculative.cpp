@@ -97,22 +97,22 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   const bool greedy = options.sampler.greedy();
   const int64_t target_argmax = greedy ? vocab_limit : 0,
                 draft_argmax = greedy ? std::min(draft_ids, vocab_limit) : 0;
-  // Sampling with top-k: a device returns each row's survivors of top-k instead of the row (the same
-  // truncation, truncate_candidates); the CPU returns the logits.
-  const int64_t top_k = options.sampler.top_k;
-  const TopKRequest target_top_k = greedy ? TopKRequest{} : TopKRequest{vocab_limit, top_k},
-                    draft_top_k =
-                        greedy ? TopKRequest{} : TopKRequest{std::min(draft_ids, vocab_limit), top_k};
+  // Sampling: a device returns each row's candidates instead of the row where they decide its truncation
+  // (the same truncation, truncate_candidates); the CPU returns the logits.
+  const CandidateRequest target_request = candidate_request(options.sampler, vocab_limit),
+                         draft_request = candidate_request(options.sampler, std::min(draft_ids, vocab_limit));
   auto target_row = [&](const ForwardResult& r, int64_t row) {
     if (greedy) return one_hot(r.argmax[static_cast<size_t>(row)]);
     if (r.candidates.present())
-      return truncate_candidates(r.candidates.row_ids(row), r.candidates.row_logits(row), options.sampler);
+      return truncate_candidates(r.candidates.row_ids(row), r.candidates.row_logits(row), options.sampler,
+                                 r.candidates.row_rest_mass(row));
     return distribution(&r.logits[static_cast<size_t>(row * V)]);
   };
   auto head_row = [&](const MtpResult& r) {
     if (greedy) return one_hot(r.argmax[0]);
     if (r.candidates.present())
-      return truncate_candidates(r.candidates.row_ids(0), r.candidates.row_logits(0), options.sampler);
+      return truncate_candidates(r.candidates.row_ids(0), r.candidates.row_logits(0), options.sampler,
+                                 r.candidates.row_rest_mass(0));
     return draft_distribution(r.logits.data());
   };
   // Emits one token; false once generation is over (stop token or max_tokens).
@@ -129,7 +129,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   // Prefill the trunk; the first token comes from its last row, exactly as in plain decoding.
   auto t0 = Clock::now();
   ForwardResult trunk;
-  model.forward(state, prompt, LogitRows::kLast, trunk, false, target_argmax, head_logit_ids, target_top_k);
+  model.forward(state, prompt, LogitRows::kLast, trunk, false, target_argmax, head_logit_ids, target_request);
   int32_t last = sample(target_row(trunk, 0), rng);
   // Prefill the head over the prompt (spec §6.3): row t = (h_t, x_{t+1}) at position t, t = 0..n-1.
   MtpResult head;
@@ -137,7 +137,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     std::vector<int32_t> shifted(prompt.begin() + 1, prompt.end());
     shifted.push_back(last);
     mtp_forward(model, head_state, trunk.hidden, shifted, 0, LogitRows::kLast, head, head_logit_ids,
-                draft_argmax, draft_top_k);
+                draft_argmax, draft_request);
   }
   result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
 
@@ -160,7 +160,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     for (int64_t i = 0; i < k; ++i) {
       if (i > 0) {
         mtp_forward(model, head_state, head_hidden, std::span<const int32_t>(&drafts.back(), 1), P + i - 1,
-                    LogitRows::kLast, head, head_logit_ids, draft_argmax, draft_top_k);
+                    LogitRows::kLast, head, head_logit_ids, draft_argmax, draft_request);
         head_hidden.assign(head.hidden.begin(), head.hidden.end());
       }
       draft_dists.push_back(head_row(head));
@@ -180,7 +180,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     std::vector<int32_t> window{last};
     window.insert(window.end(), drafts.begin(), drafts.end());
     model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true, target_argmax,
-                  head_logit_ids, target_top_k);
+                  head_logit_ids, target_request);
     target_dists.clear();
     for (int64_t i = 0; i <= k; ++i) target_dists.push_back(target_row(trunk, i));
     const std::vector<int32_t> emitted = accept_drafts(drafts, draft_dists, target_dists, rng);
@@ -203,7 +203,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     // drafts the next d_1.
     mtp_forward(model, head_state,
                 std::span<const float>(trunk.hidden.data(), static_cast<size_t>((accepted + 1) * H)), emitted,
-                P, LogitRows::kLast, head, head_logit_ids, draft_argmax, draft_top_k);
+                P, LogitRows::kLast, head, head_logit_ids, draft_argmax, draft_request);
   }
   result.stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   result.stats.decode_steps = result.stats.mtp.steps;

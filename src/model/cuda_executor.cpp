@@ -74,7 +74,8 @@ class CudaSequence : public DeviceSequence {
   std::vector<DeviceDelta> delta;  // per layer (empty for attention layers)
   // Key: rows T, logit rows, record_window, logit ids, argmax limit, top-k limit and k (served ones). One
   // set per sequence: the graphs hold its buffers.
-  std::map<std::tuple<int64_t, LogitRows, bool, int64_t, int64_t, int64_t, int64_t>, CapturedPass> graphs;
+  std::map<std::tuple<int64_t, LogitRows, bool, int64_t, int64_t, int64_t, int64_t, double>, CapturedPass>
+      graphs;
 };
 
 class CudaExecutor final : public DeviceExecutor {
@@ -86,14 +87,14 @@ class CudaExecutor final : public DeviceExecutor {
   std::unique_ptr<DeviceSequence> new_sequence(int64_t capacity) const override;
   std::unique_ptr<DeviceSequence> new_mtp_sequence(int64_t capacity) const override;
   void forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens, LogitRows rows,
-               bool record_window, int64_t argmax_limit, TopKRequest top_k, std::vector<float>& hidden,
+               bool record_window, int64_t argmax_limit, CandidateRequest sample, std::vector<float>& hidden,
                std::vector<float>& logits, std::vector<int32_t>& argmax,
                LogitCandidates& candidates) const override;
   void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const override;
   void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden, std::span<const int32_t> tokens,
-                   int64_t p0, LogitRows rows, int64_t logit_ids, int64_t argmax_limit, TopKRequest top_k,
-                   std::vector<float>& hidden_out, std::vector<float>& logits, std::vector<int32_t>& argmax,
-                   LogitCandidates& candidates) const override;
+                   int64_t p0, LogitRows rows, int64_t logit_ids, int64_t argmax_limit,
+                   CandidateRequest sample, std::vector<float>& hidden_out, std::vector<float>& logits,
+                   std::vector<int32_t>& argmax, LogitCandidates& candidates) const override;
 
  private:
   // Scratch activations for passes of up to `capacity` rows.
@@ -117,25 +118,40 @@ class CudaExecutor final : public DeviceExecutor {
   }
   // `vocab`: logits of the first `vocab` ids (all of them but for an MTP draft vocabulary); argmax_limit
   // > 0: each row's argmax over ids < min(vocab, argmax_limit) too, and copy_out copies only those;
-  // top_k (served: see served()): each row's survivors of top-k, and copy_out copies those.
+  // sample (served: see served()): each row's candidates, and copy_out copies those.
   void final_norm_and_logits(int64_t t_count, LogitRows rows, const float* norm, int64_t vocab,
-                             int64_t argmax_limit, TopKRequest top_k) const;
-  void copy_out(int64_t t_count, LogitRows rows, int64_t vocab, int64_t argmax_limit, TopKRequest top_k,
-                std::vector<float>& hidden, std::vector<float>& logits, std::vector<int32_t>& argmax,
-                LogitCandidates& candidates) const;
-  // The top-k request this pass serves over its `vocab` logits ({} for none: the logits are copied): k up
-  // to kMaxTopK, below the ids it covers, and not with an argmax.
-  static TopKRequest served(TopKRequest top_k, int64_t vocab, int64_t argmax_limit) {
-    const TopKRequest r{std::min(top_k.limit, vocab), top_k.k};
-    return argmax_limit == 0 && r.active() && r.k <= kMaxTopK ? r : TopKRequest{};
+                             int64_t argmax_limit, const CandidateRequest& sample) const;
+  void copy_out(int64_t t_count, LogitRows rows, int64_t vocab, int64_t argmax_limit,
+                const CandidateRequest& sample, std::vector<float>& hidden, std::vector<float>& logits,
+                std::vector<int32_t>& argmax, LogitCandidates& candidates) const;
+  // What the kernels compute for a sampling request (cuda::topk_candidates): the ids at or above the k-th
+  // largest logit below `limit`, and with inv_temperature > 0 the masses.
+  struct ServedRequest {
+    int64_t limit = 0, k = 0;
+    double inv_temperature = 0.0;
+    bool active() const { return k > 0; }
+  };
+  // The request this pass serves over its `vocab` logits ({} for none: the logits are copied), never with
+  // an argmax: top-k's survivors for a k up to kMaxTopK; without top-k, top-p or min-p from the
+  // kThresholdCandidates largest and the rest's mass (CandidateRequest).
+  static ServedRequest served(CandidateRequest sample, int64_t vocab, int64_t argmax_limit) {
+    sample.limit = std::min(sample.limit, vocab);
+    if (argmax_limit != 0 || !sample.active()) return {};
+    if (sample.top_k_active())
+      return sample.top_k <= kMaxTopK ? ServedRequest{sample.limit, sample.top_k} : ServedRequest{};
+    if (kThresholdCandidates >= sample.limit) return {};
+    return {sample.limit, kThresholdCandidates, 1.0 / sample.temperature};
   }
   static constexpr int64_t kMaxTopK = 256;
-  static constexpr int64_t kCandidateCap = 1024;  // survivors held per row (ties past the k-th included)
+  // Why 768: top-p's prefix at Qwen's recommended settings is rarely longer, and a row whose prefix is
+  // longer comes back whole; 8 KiB per row stays the copy.
+  static constexpr int64_t kThresholdCandidates = 768;
+  static constexpr int64_t kCandidateCap = 1024;  // candidates held per row (ties past the k-th included)
   // Runs `body` (kernels only) on the stream; passes short enough for the row kernels are captured into a
   // CUDA graph the first time and replayed after (one launch instead of hundreds).
   template <typename Body>
   void run_pass(CudaSequence& seq, int64_t t_count, LogitRows rows, bool record, int64_t vocab,
-                int64_t argmax_limit, TopKRequest top_k, Body&& body) const;
+                int64_t argmax_limit, const CandidateRequest& sample, Body&& body) const;
   void set_inputs(CudaSequence& seq, int64_t p0, std::span<const int32_t> tokens) const;
   // The per-row results of `rows` logit rows: argmax_ and the candidate_ buffers.
   void allocate_row_results(int64_t rows) const {
@@ -144,6 +160,7 @@ class CudaExecutor final : public DeviceExecutor {
     candidate_ids_ = Buffer(slots * sizeof(int32_t));
     candidate_values_ = Buffer(slots * sizeof(float));
     candidate_counts_ = Buffer(n * sizeof(int32_t));
+    candidate_masses_ = Buffer(2 * n * sizeof(double));
     candidate_scratch_ = Buffer(static_cast<size_t>(cuda::topk_scratch_bytes(rows)));
   }
 
@@ -176,7 +193,8 @@ class CudaExecutor final : public DeviceExecutor {
   mutable Buffer logits_;
   mutable Buffer argmax_;                                               // int32 per logit row (greedy passes)
   mutable Buffer candidate_ids_, candidate_values_, candidate_counts_;  // [rows, kCandidateCap], [rows]
-  mutable Buffer candidate_scratch_;                                    // the select's state per row
+  mutable Buffer candidate_masses_;     // [rows, 2]: the candidates' and the rest's
+  mutable Buffer candidate_scratch_;    // the select's state per row
   mutable cuda::PinnedBuffer staging_;  // host side of the result copies  // [rows, V] of the last pass
                                         // (grown on demand: only kAll passes need > 1 row)
 };
@@ -450,7 +468,7 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
 
 // hidden = final norm of x; logits for the rows asked for (kernels only: may be captured).
 void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float* norm, int64_t V,
-                                         int64_t argmax_limit, TopKRequest top_k) const {
+                                         int64_t argmax_limit, const CandidateRequest& sample) const {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size;
   const Scratch& s = scratch_;
@@ -472,43 +490,52 @@ void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float*
     if (argmax_limit > 0)
       cuda::argmax_rows(logits_.as<float>(), n_rows, V, std::min(argmax_limit, V), argmax_.as<int32_t>(),
                         stream_.handle());
-    if (const TopKRequest k = served(top_k, V, argmax_limit); k.active())
-      cuda::topk_candidates(logits_.as<float>(), n_rows, V, k.limit, k.k, kCandidateCap,
+    if (const ServedRequest k = served(sample, V, argmax_limit); k.active())
+      cuda::topk_candidates(logits_.as<float>(), n_rows, V, k.limit, k.k, kCandidateCap, k.inv_temperature,
                             candidate_ids_.as<int32_t>(), candidate_values_.as<float>(),
-                            candidate_counts_.as<int32_t>(), candidate_scratch_.data(), stream_.handle());
+                            candidate_counts_.as<int32_t>(), candidate_masses_.as<double>(),
+                            candidate_scratch_.data(), stream_.handle());
   }
 }
 
-void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax_limit, TopKRequest top_k,
-                            std::vector<float>& hidden, std::vector<float>& logits,
-                            std::vector<int32_t>& argmax, LogitCandidates& candidates) const {
+void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax_limit,
+                            const CandidateRequest& sample, std::vector<float>& hidden,
+                            std::vector<float>& logits, std::vector<int32_t>& argmax,
+                            LogitCandidates& candidates) const {
   const int64_t H = config_.hidden_size;
   const int64_t n_rows = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
   hidden.resize(static_cast<size_t>(T * H));
   candidates = {};
   // Greedy passes bring back one id per row instead of V floats (1 MB per row at Qwen's vocabulary), and
-  // sampling with top-k each row's survivors (kCandidateCap of each per row, 8 KiB).
+  // sampling each row's candidates (kCandidateCap of each per row, 8 KiB, and two masses).
   const bool ids_only = argmax_limit > 0;
-  const bool survivors = n_rows > 0 && served(top_k, V, argmax_limit).active();
+  const ServedRequest served_request = n_rows > 0 ? served(sample, V, argmax_limit) : ServedRequest{};
+  const bool survivors = served_request.active();
+  const bool with_masses = served_request.inv_temperature > 0.0;
   logits.resize(ids_only || survivors ? 0 : static_cast<size_t>(n_rows * V));
   argmax.resize(ids_only ? static_cast<size_t>(n_rows) : 0);
   // Through page-locked staging: a pageable copy is staged by the driver in small pieces, far slower.
   const size_t hidden_bytes = hidden.size() * sizeof(float);
   const size_t slots = static_cast<size_t>(n_rows * kCandidateCap);
-  const size_t out_bytes =
-      ids_only    ? argmax.size() * sizeof(int32_t)
-      : survivors ? static_cast<size_t>(n_rows) * sizeof(int32_t) + slots * (sizeof(int32_t) + sizeof(float))
-                  : logits.size() * sizeof(float);
+  const size_t counts_bytes = static_cast<size_t>(n_rows) * sizeof(int32_t);
+  const size_t masses_bytes = with_masses ? static_cast<size_t>(2 * n_rows) * sizeof(double) : 0;
+  const size_t out_bytes = ids_only ? argmax.size() * sizeof(int32_t)
+                           : survivors
+                               ? masses_bytes + counts_bytes + slots * (sizeof(int32_t) + sizeof(float))
+                               : logits.size() * sizeof(float);
   if (staging_.bytes() < hidden_bytes + out_bytes) staging_ = cuda::PinnedBuffer(hidden_bytes + out_bytes);
   auto* host = static_cast<char*>(staging_.data());
   stream_.to_host(host, scratch_.hidden.data(), hidden_bytes);
-  char* out = host + hidden_bytes;
+  char* out = host + hidden_bytes;  // survivors: the masses (8-byte aligned), counts, ids, values
+  char* counts_at = out + masses_bytes;
+  char* ids_at = counts_at + counts_bytes;
+  char* values_at = ids_at + slots * sizeof(int32_t);
   if (n_rows > 0) {
     if (survivors) {
-      stream_.to_host(out, candidate_counts_.data(), static_cast<size_t>(n_rows) * sizeof(int32_t));
-      stream_.to_host(out + n_rows * sizeof(int32_t), candidate_ids_.data(), slots * sizeof(int32_t));
-      stream_.to_host(out + n_rows * sizeof(int32_t) + slots * sizeof(int32_t), candidate_values_.data(),
-                      slots * sizeof(float));
+      if (with_masses) stream_.to_host(out, candidate_masses_.data(), masses_bytes);
+      stream_.to_host(counts_at, candidate_counts_.data(), counts_bytes);
+      stream_.to_host(ids_at, candidate_ids_.data(), slots * sizeof(int32_t));
+      stream_.to_host(values_at, candidate_values_.data(), slots * sizeof(float));
     } else {
       stream_.to_host(out, ids_only ? argmax_.data() : logits_.data(), out_bytes);
     }
@@ -521,22 +548,36 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
     return;
   }
   std::vector<int32_t> counts(static_cast<size_t>(n_rows));
-  std::memcpy(counts.data(), out, counts.size() * sizeof(int32_t));
-  if (std::any_of(counts.begin(), counts.end(), [](int32_t c) { return c > kCandidateCap; })) {
-    // More tied survivors than a row holds: the rows' logits after all (they are still on the device).
+  std::memcpy(counts.data(), counts_at, counts_bytes);
+  if (std::any_of(counts.begin(), counts.end(), [](int32_t c) { return c < 0; })) {
+    candidates.offsets = {0, -1};  // NaN or Inf in a row: the caller reports it
+    return;
+  }
+  std::vector<double> masses(static_cast<size_t>(2 * n_rows));
+  if (with_masses) std::memcpy(masses.data(), out, masses_bytes);
+  const auto* ids = reinterpret_cast<const int32_t*>(ids_at);
+  const auto* values = reinterpret_cast<const float*>(values_at);
+  bool whole_rows = false;  // more tied candidates than a row holds, or candidates that do not decide a row
+  for (int64_t r = 0; r < n_rows && !whole_rows; ++r) {
+    const int32_t c = counts[static_cast<size_t>(r)];
+    whole_rows = c > kCandidateCap;
+    if (whole_rows || !with_masses) continue;
+    const float* v = values + r * kCandidateCap;
+    const auto [lowest, highest] = std::minmax_element(v, v + c);
+    const double inv_t = served_request.inv_temperature;
+    // As the sampler weighs them (decode/sampler.cpp), the highest weighing 1.
+    const double lowest_weight =
+        std::exp(static_cast<double>(*lowest) * inv_t - static_cast<double>(*highest) * inv_t);
+    whole_rows = !sample.decided_by(masses[static_cast<size_t>(2 * r)],
+                                    masses[static_cast<size_t>(2 * r + 1)], lowest_weight);
+  }
+  if (whole_rows) {  // the rows' logits after all (they are still on the device)
     logits.resize(static_cast<size_t>(n_rows * V));
     if (staging_.bytes() < logits.size() * sizeof(float))
       staging_ = cuda::PinnedBuffer(logits.size() * sizeof(float));
     stream_.to_host(staging_.data(), logits_.data(), logits.size() * sizeof(float));
     stream_.synchronize();
     std::memcpy(logits.data(), staging_.data(), logits.size() * sizeof(float));
-    return;
-  }
-  const auto* ids = reinterpret_cast<const int32_t*>(out + n_rows * sizeof(int32_t));
-  const auto* values =
-      reinterpret_cast<const float*>(out + n_rows * sizeof(int32_t) + slots * sizeof(int32_t));
-  if (std::any_of(counts.begin(), counts.end(), [](int32_t c) { return c < 0; })) {
-    candidates.offsets = {0, -1};  // NaN or Inf in a row: the caller reports it
     return;
   }
   candidates.offsets.assign(1, 0);
@@ -546,18 +587,19 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
     candidates.logits.insert(candidates.logits.end(), values + r * kCandidateCap,
                              values + r * kCandidateCap + c);
     candidates.offsets.push_back(static_cast<int64_t>(candidates.ids.size()));
+    if (with_masses) candidates.rest_mass.push_back(masses[static_cast<size_t>(2 * r + 1)]);
   }
 }
 
 template <typename Body>
 void CudaExecutor::run_pass(CudaSequence& seq, int64_t T, LogitRows rows, bool record, int64_t vocab,
-                            int64_t argmax_limit, TopKRequest top_k, Body&& body) const {
+                            int64_t argmax_limit, const CandidateRequest& sample, Body&& body) const {
   if (!use_graphs_ || T >= cuda::kGemmMinRows) {
     body();
     return;
   }
-  const TopKRequest k = served(top_k, vocab, argmax_limit);
-  CapturedPass& pass = seq.graphs[{T, rows, record, vocab, argmax_limit, k.limit, k.k}];
+  const ServedRequest k = served(sample, vocab, argmax_limit);
+  CapturedPass& pass = seq.graphs[{T, rows, record, vocab, argmax_limit, k.limit, k.k, k.inv_temperature}];
   if (pass.exec == nullptr || pass.generation != scratch_generation_) {
     cuda::Stream::destroy_graph(pass.exec);
     pass.exec = nullptr;
@@ -575,7 +617,7 @@ void CudaExecutor::run_pass(CudaSequence& seq, int64_t T, LogitRows rows, bool r
 }
 
 void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens,
-                           LogitRows rows, bool record_window, int64_t argmax_limit, TopKRequest top_k,
+                           LogitRows rows, bool record_window, int64_t argmax_limit, CandidateRequest sample,
                            std::vector<float>& hidden, std::vector<float>& logits,
                            std::vector<int32_t>& argmax, LogitCandidates& candidates) const {
   std::lock_guard lock(mutex_);
@@ -585,14 +627,14 @@ void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const
     invalid_input("a recorded (rollback) window holds at most {} tokens, got {}", kMaxWindow, T);
   set_inputs(seq, p0, tokens);
   const int64_t V = config_.vocab_size;
-  run_pass(seq, T, rows, record_window, V, argmax_limit, top_k, [&] {
+  run_pass(seq, T, rows, record_window, V, argmax_limit, sample, [&] {
     cuda::embed_rows(embed_tokens_, scratch_.tokens.as<int32_t>(), T, scratch_.x.as<float>(),
                      stream_.handle());
     for (size_t li = 0; li < layers_.size(); ++li)
       layer_forward(layers_[li], seq, static_cast<int64_t>(li), &seq.kv[li], T, record_window);
-    final_norm_and_logits(T, rows, final_norm_, V, argmax_limit, top_k);
+    final_norm_and_logits(T, rows, final_norm_, V, argmax_limit, sample);
   });
-  copy_out(T, rows, V, argmax_limit, top_k, hidden, logits, argmax, candidates);
+  copy_out(T, rows, V, argmax_limit, sample, hidden, logits, argmax, candidates);
 }
 
 void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const {
@@ -617,7 +659,7 @@ void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int
 
 void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
                                std::span<const int32_t> tokens, int64_t p0, LogitRows rows, int64_t logit_ids,
-                               int64_t argmax_limit, TopKRequest top_k, std::vector<float>& hidden_out,
+                               int64_t argmax_limit, CandidateRequest sample, std::vector<float>& hidden_out,
                                std::vector<float>& logits, std::vector<int32_t>& argmax,
                                LogitCandidates& candidates) const {
   if (!head_) invalid_input("the model has no MTP head");
@@ -632,7 +674,7 @@ void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> 
   const Scratch& s = scratch_;
   // u = fc([norm_e(embed(x)) ; norm_h(h)])   (embedding first, hidden second: spec §6.1)
   stream_.to_device(s.hidden.data(), hidden.data(), hidden.size_bytes());
-  run_pass(seq, T, rows, false, V, argmax_limit, top_k, [&] {
+  run_pass(seq, T, rows, false, V, argmax_limit, sample, [&] {
     cuda::embed_rows(embed_tokens_, s.tokens.as<int32_t>(), T, s.normed.as<float>(), st);
     cuda::rms_norm_rows(s.normed.as<float>(), H, head_->pre_fc_norm_embedding, eps, T, H,
                         s.joined.as<float>(), 2 * H, st);
@@ -640,9 +682,9 @@ void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> 
                         s.joined.as<float>() + H, 2 * H, st);
     mm(head_->fc, s.joined.as<float>(), T, s.x.as<float>());
     layer_forward(head_->layer, seq, -1, &seq.kv[0], T, false);
-    final_norm_and_logits(T, rows, head_->norm, V, argmax_limit, top_k);
+    final_norm_and_logits(T, rows, head_->norm, V, argmax_limit, sample);
   });
-  copy_out(T, rows, V, argmax_limit, top_k, hidden_out, logits, argmax, candidates);
+  copy_out(T, rows, V, argmax_limit, sample, hidden_out, logits, argmax, candidates);
 }
 
 }  // namespace

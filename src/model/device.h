@@ -18,21 +18,45 @@ namespace mtpx {
 class Model;
 struct ForwardResult;
 
-// Sampling with top-k on a device: instead of [rows, V] logits, each row's survivors of top-k, every id <
-// limit whose logit is >= the k-th largest of those (ties included), with its logit. The sampler's
-// truncate_candidates() turns them into exactly what truncate() makes of the whole row, so the V floats
-// per row (1 MB at Qwen's vocabulary) stay on the device.
-struct TopKRequest {
-  int64_t limit = 0, k = 0;
-  bool active() const { return limit > 0 && k > 0 && k < limit; }
+// Sampling on a device: instead of [rows, V] logits (1 MB per row at Qwen's vocabulary), each row's
+// candidates, the ids at the top of the row with their logits, which decide the sampler's truncation
+// (decode/sampler.h: truncate(); the fields are its settings, so the device truncates the same way):
+// - with top-k (0 < top_k < limit), its survivors: every id < limit whose logit is >= the k-th largest of
+//   those (ties included). truncate_candidates() turns them into exactly what truncate() makes of the row.
+// - without it, with top-p or min-p: every id whose logit is >= a threshold the device picks, plus the
+//   row's rest mass: the sum of exp((logit - max) / temperature) over the ids < limit below it. The
+//   candidates decide the result when top-p's prefix ends inside them (their mass >= top_p * total) or
+//   min-p drops the weakest of them (every id below weighs no more); a row they do not decide comes back
+//   as logits (decided_by()).
+struct CandidateRequest {
+  int64_t limit = 0;  // ids < limit are eligible; 0: no request
+  int64_t top_k = 0;
+  double temperature = 1.0, top_p = 1.0, min_p = 0.0;
+
+  bool top_k_active() const { return top_k > 0 && top_k < limit; }
+  bool active() const { return limit > 0 && (top_k_active() || top_p < 1.0 || min_p > 0.0); }
+  // Whether candidates with this mass (and the lowest of them weighing lowest_weight, the highest 1: the
+  // weights exp((logit - max) / temperature)) decide top-p or min-p without the ids below them. A margin
+  // of 1e-9 covers the different order of the sums here and in the sampler's truncation.
+  bool decided_by(double candidate_mass, double rest_mass, double lowest_weight) const {
+    constexpr double kMargin = 1e-9;
+    if (rest_mass <= 0.0) return true;  // nothing below the candidates
+    const bool top_p_inside =
+        top_p < 1.0 && candidate_mass >= top_p * (candidate_mass + rest_mass) * (1.0 + kMargin);
+    const bool min_p_drops = min_p > 0.0 && lowest_weight < min_p * (1.0 - kMargin);
+    return top_p_inside || min_p_drops;
+  }
 };
 
-// Per row r, ids / logits [offsets[r], offsets[r + 1]) (any order). Empty when not asked for, or when a
-// device sent the full logits instead (a k it does not serve, or more tied survivors than it holds).
+// Per row r, ids / logits [offsets[r], offsets[r + 1]) (any order), and for candidates below a threshold
+// the row's rest mass (CandidateRequest; 0 for top-k survivors, where the rest plays no part). Empty when
+// not asked for, or when a device sent the full logits instead (a request it does not serve, more tied
+// candidates than it holds, or a row they do not decide).
 struct LogitCandidates {
   std::vector<int64_t> offsets;
   std::vector<int32_t> ids;
   std::vector<float> logits;
+  std::vector<double> rest_mass;  // per row
   bool present() const { return !offsets.empty(); }
   int64_t rows() const { return present() ? static_cast<int64_t>(offsets.size()) - 1 : 0; }
   std::span<const int32_t> row_ids(int64_t r) const {
@@ -42,6 +66,9 @@ struct LogitCandidates {
   std::span<const float> row_logits(int64_t r) const {
     return {logits.data() + offsets[static_cast<size_t>(r)],
             static_cast<size_t>(offsets[static_cast<size_t>(r) + 1] - offsets[static_cast<size_t>(r)])};
+  }
+  double row_rest_mass(int64_t r) const {
+    return rest_mass.empty() ? 0.0 : rest_mass[static_cast<size_t>(r)];
   }
 };
 
@@ -71,11 +98,11 @@ class DeviceExecutor {
   // As Model::forward, at positions p0.. (validated by the caller). `record_window` keeps what
   // rollback needs.
   // argmax_limit > 0: only each logit row's argmax over ids < argmax_limit is copied back (-1 for a row
-  // holding NaN or Inf), `logits` is left empty. top_k.active(): each row's survivors of top-k instead of
-  // the logits where the device serves that k (candidates.present(); a row holding NaN or Inf gets
-  // offsets[r + 1] = -1), else the logits.
+  // holding NaN or Inf), `logits` is left empty. sample.active(): each row's candidates instead of the
+  // logits where the device serves the request and they decide every row (candidates.present(); a row
+  // holding NaN or Inf gets offsets[r + 1] = -1), else the logits.
   virtual void forward(DeviceSequence& sequence, int64_t p0, std::span<const int32_t> tokens, LogitRows rows,
-                       bool record_window, int64_t argmax_limit, TopKRequest top_k,
+                       bool record_window, int64_t argmax_limit, CandidateRequest sample,
                        std::vector<float>& hidden, std::vector<float>& logits, std::vector<int32_t>& argmax,
                        LogitCandidates& candidates) const = 0;
   // Cuts the last recorded window (of window_tokens) back to its first `keep` tokens.
@@ -83,7 +110,7 @@ class DeviceExecutor {
   // As mtp_forward (model/mtp_head.h): logits of ids < logit_ids only (0: all), from that many lm_head rows.
   virtual void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
                            std::span<const int32_t> tokens, int64_t p0, LogitRows rows, int64_t logit_ids,
-                           int64_t argmax_limit, TopKRequest top_k, std::vector<float>& hidden_out,
+                           int64_t argmax_limit, CandidateRequest sample, std::vector<float>& hidden_out,
                            std::vector<float>& logits, std::vector<int32_t>& argmax,
                            LogitCandidates& candidates) const = 0;
 };

@@ -23,7 +23,7 @@ MtpState new_mtp_state(const Model& model, int64_t capacity) {
 
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
-                 int64_t logit_ids, int64_t argmax_limit, TopKRequest top_k) {
+                 int64_t logit_ids, int64_t argmax_limit, CandidateRequest sample) {
   const MtpWeights* head = model.mtp();
   if (head == nullptr) invalid_input("the model has no MTP head: {}", model.mtp_status().detail);
   const ModelConfig& c = model.config();
@@ -36,7 +36,7 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   if (const DeviceExecutor* e = model.executor()) {
     if (state.input_statistics() != nullptr) invalid_input("input statistics are collected on the CPU only");
     if (state.device() == nullptr) invalid_input("mtp_forward: a host MTP state with a device model");
-    e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, argmax_limit, top_k, result.hidden,
+    e->mtp_forward(*state.device(), hidden, tokens, p0, rows, logit_ids, argmax_limit, sample, result.hidden,
                    result.logits, result.argmax, result.candidates);
     if (rows == LogitRows::kLast) result.hidden.erase(result.hidden.begin(), result.hidden.end() - H);
     if (holds_non_finite(result.argmax, result.candidates))

@@ -46,10 +46,10 @@ struct MtpResult {
 // hidden: [T, H] trunk (or chained head) hiddens; tokens: [T] the tokens at positions p0+1 .. p0+T;
 // rows p0 .. p0+T-1 of the head's KV cache are (over)written. Requires model.mtp().
 // logit_ids > 0 (a draft vocabulary): the logits of ids < logit_ids only, [rows, logit_ids], from that
-// many rows of the lm_head. argmax_limit > 0 and top_k: as Model::forward's (over ids < min(logit_ids,
+// many rows of the lm_head. argmax_limit > 0 and sample: as Model::forward's (over ids < min(logit_ids,
 // limit)).
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
-                 int64_t logit_ids = 0, int64_t argmax_limit = 0, TopKRequest top_k = {});
+                 int64_t logit_ids = 0, int64_t argmax_limit = 0, CandidateRequest sample = {});
 
 }  // namespace mtpx

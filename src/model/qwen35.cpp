@@ -136,7 +136,7 @@ void Model::use_device(const std::string& device) {
 
 void Model::forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows,
                     ForwardResult& result, bool record_window, int64_t argmax_limit, int64_t head_logit_ids,
-                    TopKRequest top_k) const {
+                    CandidateRequest sample) const {
   const ModelConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size());
   const int64_t H = c.hidden_size;
@@ -152,7 +152,7 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
     invalid_input("forward: the state was made for another device than the model's");
   if (executor_) {
     if (state.input_statistics() != nullptr) invalid_input("input statistics are collected on the CPU only");
-    executor_->forward(*state.device(), p0, tokens, rows, record_window, argmax_limit, top_k, result.hidden,
+    executor_->forward(*state.device(), p0, tokens, rows, record_window, argmax_limit, sample, result.hidden,
                        result.logits, result.argmax, result.candidates);
     if (holds_non_finite(result.argmax, result.candidates))
       fail_non_finite(fmt::format("logits at positions {}..{}", p0, p0 + T - 1));

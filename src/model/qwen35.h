@@ -27,8 +27,8 @@ struct ForwardResult {
   std::vector<float> logits;    // [rows, V]  rows = T (kAll), 1 (kLast) or 0; empty on a device when
                                 // argmax was asked for
   std::vector<int32_t> argmax;  // [rows] with argmax_limit > 0: each row's argmax over ids < argmax_limit
-  LogitCandidates candidates;   // on a device with a top-k request: the rows' survivors of top-k instead
-                                // of the logits (device.h)
+  LogitCandidates candidates;   // on a device with a sampling request: the rows' candidates instead of
+                                // the logits (device.h)
 };
 
 class Model {
@@ -67,11 +67,11 @@ class Model {
   // head_logit_ids > 0: the MTP head's next pass computes the logits of ids < head_logit_ids only (a draft
   // vocabulary); the lm_head product then reads those rows last so that they are still cached for it
   // (norm_and_logits). The results do not depend on it.
-  // top_k (sampling): on a device, result.candidates instead of result.logits where the device serves it
-  // (device.h: TopKRequest); the CPU returns the logits.
+  // sample (sampling): on a device, result.candidates instead of result.logits where the device serves it
+  // (device.h: CandidateRequest); the CPU returns the logits.
   void forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
                bool record_window = false, int64_t argmax_limit = 0, int64_t head_logit_ids = 0,
-               TopKRequest top_k = {}) const;
+               CandidateRequest sample = {}) const;
 
   // Throws kInvalidInput for NaN or Inf that a forward pass produced (`what`: "logits at position 12"),
   // naming the checkpoint tensors that hold NaN or Inf: sampling from such logits would emit garbage.

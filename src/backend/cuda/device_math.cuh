@@ -14,8 +14,9 @@
 
 namespace mtpx::cuda {
 
-__device__ __forceinline__ float warp_sum(float v) {
-  // Butterfly in a fixed order: every lane ends with the same, reproducible total.
+// Butterfly in a fixed order: every lane ends with the same, reproducible total.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }

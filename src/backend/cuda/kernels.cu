@@ -159,27 +159,31 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint3
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
-template <int NT, int MODE, int U>  // NT n-tiles of 8 activation rows; U k-blocks in flight per warp
-__global__ void __launch_bounds__(kGemvWarps * 32)
+// RT row tiles per block (not SwiGLU: 16 RT consecutive rows of one matrix), WARPS warps splitting k.
+template <int NT, int MODE, int U, int RT = 1, int WARPS = kGemvWarps>
+__global__ void __launch_bounds__(WARPS * 32)
     bf16_tile_rows(const GemvGroup<__nv_bfloat16> g, const float* __restrict__ x, int m_count) {
-  constexpr int kTiles = MODE == kSwiglu ? 2 : 1;
-  __shared__ float partial[kGemvWarps][kTiles][NT][4][32];  // each warp's accumulator fragments
+  constexpr int kTiles = MODE == kSwiglu ? 2 : RT;
+  constexpr int kOutTiles = MODE == kSwiglu ? 1 : RT;
+  __shared__ float partial[WARPS][kTiles][NT][4][32];  // each warp's accumulator fragments
   const int block = blockIdx.x;
   int j = 0;
   while (block >= g.tasks_before[j + 1]) ++j;
-  const int row0 = (block - g.tasks_before[j]) * kTileRows, rows = g.rows[j], cols = g.cols;
+  const int row0 = (block - g.tasks_before[j]) * kTileRows * kOutTiles, rows = g.rows[j], cols = g.cols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const __nv_bfloat16* w_lo[kTiles];  // row g of each tile (past the end: the last row, not stored)
   const __nv_bfloat16* w_hi[kTiles];  // row g + 8
 #pragma unroll
   for (int t = 0; t < kTiles; ++t) {
     const __nv_bfloat16* w = g.w[MODE == kSwiglu ? t : j];
-    w_lo[t] = w + static_cast<size_t>(min(row0 + grp, rows - 1)) * cols + 16 * quad;
-    w_hi[t] = w + static_cast<size_t>(min(row0 + grp + 8, rows - 1)) * cols + 16 * quad;
+    const int tile_row0 = MODE == kSwiglu ? row0 : row0 + t * kTileRows;
+    w_lo[t] = w + static_cast<size_t>(min(tile_row0 + grp, rows - 1)) * cols + 16 * quad;
+    w_hi[t] = w + static_cast<size_t>(min(tile_row0 + grp + 8, rows - 1)) * cols + 16 * quad;
   }
   if (warp == 0 && lane < kTiles * kTileRows) {
     const __nv_bfloat16* w = g.w[MODE == kSwiglu ? lane / kTileRows : j];
-    prefetch_l2(w + static_cast<size_t>(min(row0 + lane % kTileRows, rows - 1)) * cols, g.prefetch_bytes);
+    const int r = MODE == kSwiglu ? row0 + lane % kTileRows : row0 + lane;
+    prefetch_l2(w + static_cast<size_t>(min(r, rows - 1)) * cols, g.prefetch_bytes);
   }
   griddep_wait();
   griddep_launch_dependents();
@@ -192,12 +196,12 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
       for (int c = 0; c < 4; ++c) acc[t][n][c] = 0.0f;
   const int k_blocks = cols / kTileK;
   // U k-blocks per pass, all their loads issued before the first mma (past the end: not loaded, zero).
-  for (int kb0 = warp; kb0 < k_blocks; kb0 += U * kGemvWarps) {
+  for (int kb0 = warp; kb0 < k_blocks; kb0 += U * WARPS) {
     uint4 a_lo[U][kTiles][2], a_hi[U][kTiles][2];
     float4 xv[U][NT][4];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kb = kb0 + u * kGemvWarps, k = kb * kTileK;
+      const int kb = kb0 + u * WARPS, k = kb * kTileK;
       const bool in = kb < k_blocks;
 #pragma unroll
       for (int t = 0; t < kTiles; ++t) {
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (kb0 + u * kGemvWarps >= k_blocks) break;
+      if (kb0 + u * WARPS >= k_blocks) break;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         uint32_t bh[8], bl[8];  // word i: activation values 2i, 2i + 1 of the lane's 16
@@ -249,21 +253,22 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   __syncthreads();
   // Output (row r of the tile, activation row m), consecutive threads on consecutive rows. Fragment
   // element c of lane (g, q) holds row g + 8 (c / 2), column 2q + c % 2.
-  for (int o = threadIdx.x; o < kTileRows * 8 * NT; o += blockDim.x) {
-    const int r = o % kTileRows, m = o / kTileRows;
-    if (m >= m_count || row0 + r >= rows) continue;
+  for (int o = threadIdx.x; o < kOutTiles * kTileRows * 8 * NT; o += blockDim.x) {
+    const int ot = o / (kTileRows * 8 * NT), r = o % kTileRows, m = o % (kTileRows * 8 * NT) / kTileRows;
+    const int row = row0 + ot * kTileRows + r;
+    if (m >= m_count || row >= rows) continue;
     const int n = m / 8, frag_lane = (r % 8) * 4 + (m % 8) / 2, c = (r / 8) * 2 + m % 2;
-    float v[kTiles];
+    float v[2];
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) {
+    for (int t = 0; t < (MODE == kSwiglu ? 2 : 1); ++t) {
       float sum = 0.0f;
 #pragma unroll
-      for (int w = 0; w < kGemvWarps; ++w) sum += partial[w][t][n][c][frag_lane];
+      for (int w = 0; w < WARPS; ++w) sum += partial[w][MODE == kSwiglu ? t : ot][n][c][frag_lane];
       v[t] = sum;
     }
-    float* out = g.y[j] + static_cast<size_t>(m) * rows + row0 + r;
+    float* out = g.y[j] + static_cast<size_t>(m) * rows + row;
     if constexpr (MODE == kSwiglu)
-      *out = silu(v[0]) * v[kTiles - 1];
+      *out = silu(v[0]) * v[1];
     else if constexpr (MODE == kAccumulate)
       *out += v[0];
     else
@@ -273,19 +278,43 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 
 template <int MODE>
 void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cudaStream_t s) {
+  // Stored products (the in_proj groups, lm_head) take two row tiles per block for up to 8 activation rows:
+  // a block of one tile over a 1024-wide row is a single round trip of 32 KB, and the 0.8B shape's in_proj
+  // group (514 such blocks) and lm_head (15520) paid a block's fixed costs per 32 KB. H200 (BENCHMARKS.md,
+  // session 18): 0.8B decode 801 -> 884 tok/s, 9B 181.0 -> 181.7 and c(3) 1.062 -> 1.034 (argmax on the
+  // device). The residual products keep one tile per block: they have few tiles already (two tiles per
+  // block took 9B decode from 182.5 to 176.2 tok/s). Which rows share a block changes no row's arithmetic.
+  const int row_tiles = MODE == kStore && m <= 8 ? 2 : 1;
   g.tasks_before[0] = 0;
-  for (int i = 0; i < g.count; ++i)  // a task per 16-row tile
-    g.tasks_before[i + 1] = g.tasks_before[i] + (g.rows[i] + kTileRows - 1) / kTileRows;
+  for (int i = 0; i < g.count; ++i)  // a task per row_tiles 16-row tiles
+    g.tasks_before[i + 1] =
+        g.tasks_before[i] + (g.rows[i] + row_tiles * kTileRows - 1) / (row_tiles * kTileRows);
   const auto blocks = static_cast<unsigned>(g.tasks_before[g.count]);
   const int mc = static_cast<int>(m);
+  // A residual product of fewer tiles than multiprocessors with more k-blocks than 8 warps take in one pass
+  // (0.8B's down: 64 tiles, 56 k-blocks) splits k over 16 warps, so each block makes one pass instead of two
+  // (0.8B decode 762 -> 774 tok/s). The choice depends on the shape alone, for every row count:
+  // batch-invariant.
+  const bool wide = MODE == kAccumulate && static_cast<int>(blocks) < multiprocessor_count() &&
+                    g.cols / kTileK > 4 * kGemvWarps;
   // k-blocks in flight per warp, measured on the 9B shape (H200, BENCHMARKS.md session 15): 4 for one tile
-  // (169 against 160 tok/s with 2, 162 with 8: 255 registers), 2 for SwiGLU's two tiles (the same bytes).
+  // (169 against 160 tok/s with 2, 162 with 8: 255 registers), 2 for two tiles (SwiGLU's gate and up, or
+  // two row tiles: the same bytes).
   if (m <= 8) {
-    if constexpr (MODE == kSwiglu)
+    if constexpr (MODE == kSwiglu) {
       return launch_pdl(bf16_tile_rows<1, MODE, 2>, blocks, kGemvWarps * 32, 0, s, g, x, mc);
-    else
+    } else {
+      if (row_tiles == 2)
+        return launch_pdl(bf16_tile_rows<1, MODE, 2, 2>, blocks, kGemvWarps * 32, 0, s, g, x, mc);
+      if (wide)
+        return launch_pdl(bf16_tile_rows<1, MODE, 4, 1, 2 * kGemvWarps>, blocks, 2 * kGemvWarps * 32, 0, s, g,
+                          x, mc);
       return launch_pdl(bf16_tile_rows<1, MODE, 4>, blocks, kGemvWarps * 32, 0, s, g, x, mc);
+    }
   }
+  if (wide)
+    return launch_pdl(bf16_tile_rows<2, MODE, 2, 1, 2 * kGemvWarps>, blocks, 2 * kGemvWarps * 32, 0, s, g, x,
+                      mc);
   return launch_pdl(bf16_tile_rows<2, MODE, 2>, blocks, kGemvWarps * 32, 0, s, g, x, mc);
 }
 
@@ -1512,22 +1541,28 @@ __device__ inline uint32_t order_key(float v) {
   const uint32_t u = v == 0.0f ? 0u : __float_as_uint(v);
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
+__device__ inline float key_value(uint32_t key) {  // order_key's inverse (+0 for zero)
+  return __uint_as_float((key & 0x80000000u) != 0 ? key & 0x7fffffffu : ~key);
+}
 
 // The radix select of one row (topk_candidates), in global memory: the passes run as separate kernels
 // over many blocks per row (one block per row streamed at one SM's rate: 0.3 ms per row of 248320 logits).
+constexpr int kTopKBlocks = 32;  // blocks per row of the streaming passes
+
 struct TopKRow {
   uint32_t hist[256];
   uint32_t prefix, mask;  // the digits of the k-th largest key chosen so far
   long long remaining;    // of the k: how many of the largest are still at or below the digits chosen
   int count, non_finite;
+  uint32_t max_key;             // the row's largest key
+  double mass[kTopKBlocks][2];  // each block's sums of the candidates' and the rest's weights
 };
-
-constexpr int kTopKBlocks = 32;  // blocks per row of the streaming passes
 
 __global__ void topk_init_kernel(TopKRow* rows, int64_t k) {
   TopKRow& r = rows[blockIdx.x];
   for (int i = threadIdx.x; i < 256; i += blockDim.x) r.hist[i] = 0;
-  if (threadIdx.x == 0) r.prefix = 0, r.mask = 0, r.remaining = k, r.count = 0, r.non_finite = 0;
+  if (threadIdx.x == 0)
+    r.prefix = 0, r.mask = 0, r.remaining = k, r.count = 0, r.non_finite = 0, r.max_key = 0;
 }
 
 // Histogram of digit (key >> shift) & 255 over the keys that match the digits chosen so far. Lanes of a warp
@@ -1541,6 +1576,7 @@ __global__ void topk_histogram_kernel(const float* __restrict__ logits, int64_t 
   __syncthreads();
   const uint32_t p = r.prefix, m = r.mask;
   bool bad = false;
+  uint32_t top = 0;  // the largest key seen (the first pass counts every key)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < limit; base += stride) {
     const int64_t i = base + threadIdx.x;
@@ -1549,11 +1585,16 @@ __global__ void topk_histogram_kernel(const float* __restrict__ logits, int64_t 
     bad |= in && !isfinite(v);
     const uint32_t key = order_key(v);
     const bool counted = in && (key & m) == p;
+    top = counted ? max(top, key) : top;
     const uint32_t bin = counted ? (key >> shift) & 255u : 256u;
     const unsigned lanes = __match_any_sync(0xffffffffu, bin);
     if (counted && (threadIdx.x & 31) == __ffs(lanes) - 1) atomicAdd(&hist[bin], __popc(lanes));
   }
   if (bad) atomicOr(&r.non_finite, 1);
+  if (m == 0) {  // the first pass: the row's maximum (order-free: any order of atomicMax gives it)
+    top = __reduce_max_sync(0xffffffffu, top);
+    if ((threadIdx.x & 31) == 0) atomicMax(&r.max_key, top);
+  }
   __syncthreads();
   for (int i = threadIdx.x; i < 256; i += blockDim.x)
     if (hist[i] != 0) atomicAdd(&r.hist[i], hist[i]);
@@ -1597,9 +1638,48 @@ __global__ void topk_collect_kernel(const float* __restrict__ logits, int64_t vo
   }
 }
 
-__global__ void topk_counts_kernel(const TopKRow* rows, int32_t* counts) {
+// The weights exp(logit / T - max / T) of a row's ids < limit summed in double, those at or above the k-th
+// largest key (the candidates) and those below (the rest) apart: each block over a fixed set of ids in a
+// fixed order, then its threads in a fixed order, so a row's sums depend on its logits alone
+// (batch-invariant). The host computes the candidates' weights the same way (decode/sampler.cpp:
+// truncate_survivors).
+__global__ void topk_mass_kernel(const float* __restrict__ logits, int64_t vocab, int64_t limit, double inv_t,
+                                 TopKRow* rows) {
+  __shared__ double scratch[2][32];
+  TopKRow& r = rows[blockIdx.y];
+  const float* row = logits + blockIdx.y * vocab;
+  const uint32_t kth = r.prefix;
+  const double max_scaled = static_cast<double>(key_value(r.max_key)) * inv_t;
+  double candidates = 0.0, rest = 0.0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += stride) {
+    const float v = row[i];
+    const double w = exp(static_cast<double>(v) * inv_t - max_scaled);
+    if (order_key(v) >= kth)
+      candidates += w;
+    else
+      rest += w;
+  }
+  candidates = warp_sum(candidates), rest = warp_sum(rest);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) scratch[0][warp] = candidates, scratch[1][warp] = rest;
+  __syncthreads();
+  if (threadIdx.x < 2) {
+    double total = 0.0;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += scratch[threadIdx.x][w];
+    r.mass[blockIdx.x][threadIdx.x] = total;
+  }
+}
+
+// counts[row] (-1: NaN or Inf), and with `masses` the row's two sums (the blocks' in block order).
+__global__ void topk_counts_kernel(const TopKRow* rows, int32_t* counts, double* masses) {
   const TopKRow& r = rows[blockIdx.x];
   if (threadIdx.x == 0) counts[blockIdx.x] = r.non_finite ? -1 : r.count;
+  if (masses != nullptr && threadIdx.x < 2) {
+    double total = 0.0;
+    for (int b = 0; b < kTopKBlocks; ++b) total += r.mass[b][threadIdx.x];
+    masses[2 * blockIdx.x + threadIdx.x] = total;
+  }
 }
 
 }  // namespace
@@ -2033,7 +2113,8 @@ void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t limit
 int64_t topk_scratch_bytes(int64_t rows) { return rows * static_cast<int64_t>(sizeof(TopKRow)); }
 
 void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int64_t k, int64_t cap,
-                     int32_t* ids, float* values, int32_t* counts, void* scratch, void* stream) {
+                     double inv_temperature, int32_t* ids, float* values, int32_t* counts, double* masses,
+                     void* scratch, void* stream) {
   cudaStream_t s = as_stream(stream);
   auto* state = static_cast<TopKRow*>(scratch);
   const auto n = static_cast<unsigned>(rows);
@@ -2043,7 +2124,9 @@ void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t l
     topk_digit_kernel<<<n, 256, 0, s>>>(shift, state);
   }
   topk_collect_kernel<<<dim3(kTopKBlocks, n), 256, 0, s>>>(logits, vocab, limit, cap, state, ids, values);
-  topk_counts_kernel<<<n, 32, 0, s>>>(state, counts);
+  if (inv_temperature > 0.0)
+    topk_mass_kernel<<<dim3(kTopKBlocks, n), 256, 0, s>>>(logits, vocab, limit, inv_temperature, state);
+  topk_counts_kernel<<<n, 32, 0, s>>>(state, counts, inv_temperature > 0.0 ? masses : nullptr);
   check_launch("topk_candidates");
 }
 

@@ -136,14 +136,17 @@ void gated_rms_norm(float* o, const float* z, const float* weight, float eps, in
 // cpu::argmax), or -1 when those logits hold NaN or Inf.
 void argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int32_t* out, void* stream);
 
-// Sampling with top-k (the sampler's truncate_candidates): per row, every id < limit whose logit is >= the
-// k-th largest of those (counting repeats; -0 equals +0), in any order, at ids / values [row * cap, ..);
+// Sampling (the sampler's truncate_candidates): per row, every id < limit whose logit is >= the k-th
+// largest of those (counting repeats; -0 equals +0), in any order, at ids / values [row * cap, ..);
 // counts[row] = how many (only the first cap are written when there are more), or -1 when the row's first
 // `limit` logits hold NaN or Inf. A radix select of the k-th largest (four passes over 8 bits of an
-// order-preserving key, each over many blocks per row), then one pass collecting. scratch: device memory of
-// topk_scratch_bytes(rows).
+// order-preserving key, each over many blocks per row), then one pass collecting. inv_temperature > 0:
+// masses[2 row] and [2 row + 1] get the sums of exp(logit * inv_temperature - max * inv_temperature) over
+// those ids and over the other ids < limit (max: the row's largest logit), in double, in an order fixed
+// by the row's length alone. scratch: device memory of topk_scratch_bytes(rows).
 int64_t topk_scratch_bytes(int64_t rows);
 void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t limit, int64_t k, int64_t cap,
-                     int32_t* ids, float* values, int32_t* counts, void* scratch, void* stream);
+                     double inv_temperature, int32_t* ids, float* values, int32_t* counts, double* masses,
+                     void* scratch, void* stream);
 
 }  // namespace mtpx::cuda
