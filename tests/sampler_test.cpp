@@ -100,6 +100,20 @@ TEST(Sampler, TopKMatchesFullSort) {
   }
 }
 
+// What a device sends back for sampling: the ids < limit whose logit is >= threshold, shuffled (a device
+// sends them in any order), and their logits.
+std::pair<std::vector<int32_t>, std::vector<float>> candidates_at_or_above(const std::vector<float>& logits,
+                                                                           int64_t limit, float threshold,
+                                                                           std::mt19937& rng) {
+  std::vector<int32_t> ids;
+  for (int32_t i = 0; i < limit; ++i)
+    if (logits[static_cast<size_t>(i)] >= threshold) ids.push_back(i);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<float> values;
+  for (int32_t id : ids) values.push_back(logits[static_cast<size_t>(id)]);
+  return {ids, values};
+}
+
 // A device sends back only the survivors of top-k for sampling (every id below the limit whose logit is >=
 // the k-th largest, ties included, in any order): truncate_candidates on them is truncate on the whole row,
 // to the bit, for every sampler. Logits on a coarse grid, so ties at the boundary are common; the candidates
@@ -116,13 +130,8 @@ TEST(Sampler, TruncatingTheTopKCandidatesIsTruncatingTheRow) {
       if (k < 1 || k >= limit) continue;
       std::vector<float> sorted(logits.begin(), logits.begin() + limit);
       std::sort(sorted.begin(), sorted.end(), std::greater<>());
-      const float kth = sorted[static_cast<size_t>(k - 1)];
-      std::vector<int32_t> ids;
-      for (int32_t i = 0; i < limit; ++i)
-        if (logits[static_cast<size_t>(i)] >= kth) ids.push_back(i);
-      std::shuffle(ids.begin(), ids.end(), rng);
-      std::vector<float> values;
-      for (int32_t id : ids) values.push_back(logits[static_cast<size_t>(id)]);
+      const auto [ids, values] =
+          candidates_at_or_above(logits, limit, sorted[static_cast<size_t>(k - 1)], rng);
       for (const SamplerParams& p :
            {SamplerParams{.temperature = 0.7, .top_k = k, .top_p = 0.95},
             SamplerParams{.temperature = 1.3, .top_k = k},
@@ -158,12 +167,7 @@ TEST(Sampler, ThresholdCandidatesWithTheRestMassDecideTheTruncationOfTheRow) {
     for (int64_t top : {int64_t{1}, int64_t{8}, int64_t{40}, limit / 3}) {
       if (top < 1 || top >= limit) continue;
       const float threshold = sorted[static_cast<size_t>(top - 1)];
-      std::vector<int32_t> ids;
-      for (int32_t i = 0; i < limit; ++i)
-        if (logits[static_cast<size_t>(i)] >= threshold) ids.push_back(i);
-      std::shuffle(ids.begin(), ids.end(), rng);
-      std::vector<float> values;
-      for (int32_t id : ids) values.push_back(logits[static_cast<size_t>(id)]);
+      const auto [ids, values] = candidates_at_or_above(logits, limit, threshold, rng);
       for (const SamplerParams& p :
            {SamplerParams{.temperature = 0.7, .top_p = 0.9}, SamplerParams{.temperature = 1.0, .min_p = 0.05},
             SamplerParams{.temperature = 1.3, .top_p = 0.6, .min_p = 0.2},

@@ -72,8 +72,8 @@ class CudaSequence : public DeviceSequence {
   Buffer pos{sizeof(int32_t)};
   std::vector<DeviceKv> kv;        // per layer (empty buffers for DeltaNet layers)
   std::vector<DeviceDelta> delta;  // per layer (empty for attention layers)
-  // Key: rows T, logit rows, record_window, logit ids, argmax limit, top-k limit and k (served ones). One
-  // set per sequence: the graphs hold its buffers.
+  // Key: rows T, logit rows, record_window, logit ids, argmax limit, the served sampling request's limit, k
+  // and inverse temperature. One set per sequence: the graphs hold its buffers.
   std::map<std::tuple<int64_t, LogitRows, bool, int64_t, int64_t, int64_t, int64_t, double>, CapturedPass>
       graphs;
 };

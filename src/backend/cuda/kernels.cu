@@ -20,13 +20,14 @@ cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 // Sum over the block in a fixed order (per warp, then the warps in index order). Every thread gets it.
-__device__ float block_sum(float v, float* scratch /* [32] shared */) {
+template <typename T>
+__device__ T block_sum(T v, T* scratch /* [32] shared */) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
   v = warp_sum(v);
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  float total = 0.0f;
+  T total = 0;
   for (int w = 0; w < warps; ++w) total += scratch[w];
   return total;
 }
@@ -1645,7 +1646,7 @@ __global__ void topk_collect_kernel(const float* __restrict__ logits, int64_t vo
 // truncate_survivors).
 __global__ void topk_mass_kernel(const float* __restrict__ logits, int64_t vocab, int64_t limit, double inv_t,
                                  TopKRow* rows) {
-  __shared__ double scratch[2][32];
+  __shared__ double scratch[32];
   TopKRow& r = rows[blockIdx.y];
   const float* row = logits + blockIdx.y * vocab;
   const uint32_t kth = r.prefix;
@@ -1660,15 +1661,9 @@ __global__ void topk_mass_kernel(const float* __restrict__ logits, int64_t vocab
     else
       rest += w;
   }
-  candidates = warp_sum(candidates), rest = warp_sum(rest);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) scratch[0][warp] = candidates, scratch[1][warp] = rest;
-  __syncthreads();
-  if (threadIdx.x < 2) {
-    double total = 0.0;
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += scratch[threadIdx.x][w];
-    r.mass[blockIdx.x][threadIdx.x] = total;
-  }
+  candidates = block_sum(candidates, scratch);
+  rest = block_sum(rest, scratch);
+  if (threadIdx.x == 0) r.mass[blockIdx.x][0] = candidates, r.mass[blockIdx.x][1] = rest;
 }
 
 // counts[row] (-1: NaN or Inf), and with `masses` the row's two sums (the blocks' in block order).
