@@ -4,10 +4,11 @@
 //   the verify-cost curve c(K) = time(verify K+1 rows) / time(decode 1 row),
 //   prefill of a long prompt against the GEMM rate,
 //   decode tok/s after long prompts (--context-tokens: attention then reads a long KV cache),
-//   MTP at a synthetic acceptance (drafts replaced by the greedy continuation with probability A).
+//   MTP at a synthetic acceptance (drafts replaced by the greedy continuation with probability A),
+//   plain decoding with several samplers side by side (--sampling-tokens).
 //
 //   bench_cuda [--shape 0.8B|9B|...] [--decode-tokens N] [--prefill-tokens N] [--context-tokens N ...]
-//              [--acceptance A] [--json]
+//              [--acceptance A] [--sampling-tokens N] [--json]
 #include <fmt/core.h>
 
 #include <CLI/CLI.hpp>
@@ -52,7 +53,7 @@ int64_t bytes_per_token(const mtpx::Model& m) {
 int main(int argc, char** argv) {
   CLI::App app("mtpx GPU benchmark");
   std::string shape = "0.8B";
-  int64_t decode_tokens = 128, prefill_tokens = 2048, mtp_tokens = 256;
+  int64_t decode_tokens = 128, prefill_tokens = 2048, mtp_tokens = 256, sampling_tokens = 0;
   double acceptance = 0.8;
   bool json = false;
   int64_t profile_steps = 0, profile_rows = 1, profile_prefill = 0, draft_vocab = 32768;
@@ -78,6 +79,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--mtp-tokens", mtp_tokens, "tokens per MTP run (0: skip)")->check(CLI::Range(0, 1 << 20));
   app.add_option("--acceptance", acceptance, "synthetic acceptance of the MTP runs");
+  app.add_option("--sampling-tokens", sampling_tokens,
+                 "tokens per run of plain decoding with each sampler, side by side (0: skip)")
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--draft-vocab", draft_vocab,
                  "the MTP runs also with a draft vocabulary of the first N ids (0 or >= vocab: not)");
   app.add_flag("--json", json);
@@ -259,6 +263,26 @@ int main(int argc, char** argv) {
       if (with_vocab)
         report["mtp_synthetic_draft_vocab"] = {
             {"acceptance", acceptance}, {"draft_vocab", draft_vocab}, {"rows", vocab_rows}};
+    }
+
+    // Plain decoding with each sampler, side by side in the same runs: what sampling costs over greedy
+    // (candidates on the device; a row sampled whole fetched only for draws below its top ids).
+    if (sampling_tokens > 0) {
+      tools::BenchProtocol p;
+      p.prompts = {ids(32, 5)};
+      p.max_tokens = sampling_tokens;
+      p.runs = 3;
+      const std::vector<tools::BenchCase> cases = {
+          {"greedy", SamplerParams{.temperature = 0.0}},
+          {"T 0.8, top-k 20", SamplerParams{.temperature = 0.8, .top_k = 20}},
+          {"T 0.8, top-p 0.95", SamplerParams{.temperature = 0.8, .top_p = 0.95}},
+          {"T 1", SamplerParams{.temperature = 1.0}}};
+      nlohmann::json rows = nlohmann::json::array();
+      for (const auto& res : tools::run_bench(*model, p, cases))
+        rows.push_back({{"sampler", res.spec.sampler_name},
+                        {"tok_s", res.median_tok_s},
+                        {"logit_rows_fetched", res.logit_rows_fetched}});
+      report["sampling"] = {{"tokens", sampling_tokens}, {"rows", rows}};
     }
 
     if (json) {

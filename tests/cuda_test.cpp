@@ -9,7 +9,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
+#include <set>
 #include <string>
 
 #include "backend/cpu/ops.h"
@@ -339,6 +341,89 @@ TEST(Cuda, TopPAndMinPPassesReturnCandidatesThatDecideTheRows) {
   }
 }
 
+// Temperature alone samples the whole row: with rows_on_request a pass returns each row's top ids (at or
+// above the 768th largest) and the rest's mass, and keeps the logits for Model::fetch_logits until another
+// pass runs. Drawing from the top ids gives the row's own draw or asks for the row; generate() fetches a
+// row only for those draws, and its tokens are those of a loop that samples every whole row (same seed).
+TEST(Cuda, RowsSampledWholeReturnTheirTopIdsAndTheRowOnRequest) {
+  MTPX_GPU_MODEL(gpu, kDefaultModel);
+  const int64_t V = gpu->config().vocab_size;
+  const auto prompt = prompt_for(*gpu, 6);
+  for (double t : {0.7, 1.0, 1.6}) {
+    const SamplerParams sampler{.temperature = t};
+    for (int64_t limit : {V, int64_t{3000}}) {
+      const std::string where = fmt::format("T {} limit {}", t, limit);
+      InferenceState a = gpu->new_state(8), b = gpu->new_state(8);
+      ForwardResult full, got;
+      gpu->forward(a, prompt, LogitRows::kAll, full);
+      gpu->forward(b, prompt, LogitRows::kAll, got, /*record_window=*/true, 0, 0,
+                   candidate_request(sampler, limit, /*rows_on_request=*/true));
+      ASSERT_TRUE(got.candidates.present()) << where;
+      EXPECT_TRUE(got.logits.empty()) << where;
+      for (size_t r = 0; r < prompt.size(); ++r) {
+        const std::span<const float> row(&full.logits[r * static_cast<size_t>(V)], static_cast<size_t>(V));
+        const auto ids = got.candidates.row_ids(static_cast<int64_t>(r));
+        const auto values = got.candidates.row_logits(static_cast<int64_t>(r));
+        std::vector<float> sorted(row.begin(), row.begin() + limit);
+        std::sort(sorted.begin(), sorted.end(), std::greater<>());
+        std::vector<int32_t> want_ids;
+        double rest = 0.0;
+        for (int32_t i = 0; i < limit; ++i) {
+          const float l = row[static_cast<size_t>(i)];
+          if (l >= sorted[767])
+            want_ids.push_back(i);
+          else
+            rest += std::exp((static_cast<double>(l) - sorted[0]) / t);
+        }
+        std::vector<int32_t> sorted_ids(ids.begin(), ids.end());
+        std::sort(sorted_ids.begin(), sorted_ids.end());
+        ASSERT_EQ(sorted_ids, want_ids) << where << " row " << r;
+        EXPECT_NEAR(got.candidates.row_rest_mass(static_cast<int64_t>(r)), rest, 1e-9 * (1.0 + rest))
+            << where << " row " << r;
+        const TokenDistribution top =
+            truncate_candidates(ids, values, sampler, got.candidates.row_rest_mass(static_cast<int64_t>(r)));
+        const TokenDistribution whole = truncate(row, sampler, limit);
+        ASSERT_GT(top.unlisted, 0.0) << where << " row " << r;
+        const std::set<int32_t> top_ids(ids.begin(), ids.end());
+        for (int i = 0; i < 2000; ++i) {
+          const double u = (i + 0.5) / 2000;
+          const std::optional<int32_t> from_top = draw(top, u), from_row = draw(whole, u);
+          if (from_top)
+            ASSERT_EQ(*from_top, *from_row) << where << " row " << r << " u " << u;
+          else
+            ASSERT_EQ(top_ids.count(*from_row), 0u) << where << " row " << r << " u " << u;
+        }
+      }
+      std::vector<float> fetched;
+      gpu->fetch_logits(b, fetched);
+      EXPECT_EQ(fetched, full.logits) << where;  // the rows as computed
+      InferenceState c = gpu->new_state(8);
+      gpu->forward(c, prompt, LogitRows::kLast, full);
+      EXPECT_THROW(gpu->fetch_logits(b, fetched), Error) << where;  // another pass ran since
+    }
+  }
+  GenerateOptions o;
+  o.max_tokens = 48;
+  o.sampler = {.temperature = 1.0};
+  o.seed = 11;
+  const GenerateResult generated = generate(*gpu, prompt, o);
+  ASSERT_EQ(generated.tokens.size(), 48u);
+  EXPECT_LT(generated.stats.logit_rows_fetched, 48);
+  // The same draws from every whole row.
+  InferenceState state = gpu->new_state(64);
+  Rng rng(o.seed);
+  ForwardResult pass;
+  std::vector<int32_t> tokens;
+  gpu->forward(state, prompt, LogitRows::kLast, pass);
+  while (tokens.size() < 48) {
+    tokens.push_back(sample(truncate(pass.logits, o.sampler, V), rng));
+    gpu->forward(state, std::span<const int32_t>(&tokens.back(), 1), LogitRows::kLast, pass);
+  }
+  EXPECT_EQ(generated.tokens, tokens);
+  std::printf("temperature 1 on the GPU: %lld of 48 draws fetched their row\n",
+              static_cast<long long>(generated.stats.logit_rows_fetched));
+}
+
 // A draft vocabulary on the GPU: the head's lm_head pass over the first N rows only. Greedy output stays
 // the plain output, every draft is below N, and the head drafts as well as the CPU's from the same draft
 // vocabulary (acceptance within 0.1), so the shortened pass computes the right logits.
@@ -533,28 +618,50 @@ TEST(Cuda, Bf16RowProductsAreAccurateAndBatchInvariant) {
     cuda::Buffer x_dev(x.size() * sizeof(float)),
         y_dev[2] = {cuda::Buffer(y0.size() * sizeof(float)), cuda::Buffer(y0.size() * sizeof(float))};
     stream.to_device(x_dev.data(), x.data(), x.size() * sizeof(float));
+    // An RMSNorm of the input taken by the products (cuda::RowNorm): x / rms(x) * weight, in double here.
+    std::vector<float> norm_weight(static_cast<size_t>(C));
+    for (float& v : norm_weight) v = 1.0f + 0.3f * normal(rng);
+    cuda::Buffer norm_dev(norm_weight.size() * sizeof(float)), normed_dev(x.size() * sizeof(float));
+    stream.to_device(norm_dev.data(), norm_weight.data(), norm_weight.size() * sizeof(float));
+    constexpr float kEps = 1e-6f;
+    std::vector<double> plain(x.begin(), x.end()), normed(x.size());
+    for (int64_t m = 0; m < kMaxM; ++m) {
+      double squares = 0;
+      for (int64_t k = 0; k < C; ++k)
+        squares += plain[static_cast<size_t>(m * C + k)] * plain[static_cast<size_t>(m * C + k)];
+      const double inv_rms = 1.0 / std::sqrt(squares / static_cast<double>(C) + kEps);
+      for (int64_t k = 0; k < C; ++k)
+        normed[static_cast<size_t>(m * C + k)] =
+            plain[static_cast<size_t>(m * C + k)] * inv_rms * norm_weight[static_cast<size_t>(k)];
+    }
+    const std::vector<double>* act = &plain;
     auto dot = [&](int i, int64_t m, int64_t r, double& magnitude) {
       double sum = 0;
       magnitude = 0;
       for (int64_t k = 0; k < C; ++k) {
-        const double p = w[i][static_cast<size_t>(r * C + k)] * x[static_cast<size_t>(m * C + k)];
+        const double p = w[i][static_cast<size_t>(r * C + k)] * (*act)[static_cast<size_t>(m * C + k)];
         sum += p, magnitude += std::fabs(p);
       }
       return sum;
     };
     auto silu = [](double v) { return v / (1 + std::exp(-v)); };
-    for (const std::string mode : {"group", "accumulate", "swiglu"}) {
-      SCOPED_TRACE(mode);
+    for (const std::string kind : {"group", "accumulate", "swiglu", "group, normed", "swiglu, normed"}) {
+      SCOPED_TRACE(kind);
+      const bool with_norm = kind.find("normed") != std::string::npos;
+      const std::string mode = kind.substr(0, kind.find(','));
+      act = with_norm ? &normed : &plain;
+      const cuda::RowNorm norm = with_norm ? cuda::RowNorm{norm_dev.as<float>(), kEps} : cuda::RowNorm{};
       std::vector<float> widest;  // the outputs of a kMaxM-row launch
       for (int64_t M : {kMaxM, int64_t{1}, int64_t{2}, int64_t{4}, int64_t{8}, int64_t{9}}) {
         stream.to_device(y_dev[0].data(), y0.data(), y0.size() * sizeof(float));
         float* const ys[2] = {y_dev[0].as<float>(), y_dev[1].as<float>()};
         if (mode == "group")
-          cuda::matmul_group(mats, ys, 2, x_dev.as<float>(), M, ws);
+          cuda::matmul_group(mats, ys, 2, x_dev.as<float>(), M, ws, norm, normed_dev.as<float>());
         else if (mode == "accumulate")
           cuda::matmul(mats[0], x_dev.as<float>(), M, ys[0], /*accumulate=*/true, ws);
         else
-          cuda::matmul_swiglu(mats[0], mats[1], x_dev.as<float>(), M, ys[0], ys[1], ws);
+          cuda::matmul_swiglu(mats[0], mats[1], x_dev.as<float>(), M, ys[0], ys[1], ws, norm,
+                              normed_dev.as<float>());
         std::vector<float> y(static_cast<size_t>(M * R) * (mode == "group" ? 2 : 1));
         stream.to_host(y.data(), y_dev[0].data(), static_cast<size_t>(M * R) * sizeof(float));
         if (mode == "group")

@@ -8,6 +8,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "util/error.h"
@@ -199,7 +200,8 @@ TEST(Sampler, ThresholdCandidatesWithTheRestMassDecideTheTruncationOfTheRow) {
   EXPECT_GT(undecided, 100);
   // Greedy needs no candidates; sampling does, top-k or not; a negative rest mass is refused.
   EXPECT_FALSE(candidate_request({.temperature = 0.0, .top_k = 20}, 100).active());
-  EXPECT_FALSE(candidate_request({.temperature = 1.0}, 100).active());  // the whole row is sampled
+  EXPECT_FALSE(candidate_request({.temperature = 1.0}, 100).active());       // the whole row is sampled
+  EXPECT_TRUE(candidate_request({.temperature = 1.0}, 100, true).active());  // unless it can be fetched
   EXPECT_TRUE(candidate_request({.temperature = 1.0, .top_k = 20}, 100).top_k_active());
   EXPECT_FALSE(candidate_request({.temperature = 1.0, .top_k = 100, .top_p = 0.9}, 100).top_k_active());
   EXPECT_THROW(truncate_candidates(std::vector<int32_t>{1}, std::vector<float>{0.0f}, {.top_p = 0.5}, -1.0),
@@ -231,6 +233,133 @@ TEST(Sampler, TopKBlockSkippingKeepsExactlyTheTopK) {
         const TokenDistribution d = truncate(logits, {.temperature = 1.0, .top_k = k}, n);
         ASSERT_EQ(d.ids, expected) << "n " << n << " order " << order << " k " << k;
       }
+    }
+  }
+}
+
+// The row's distribution as transformers computes it, by brute force: every id < n sorted (highest logit
+// first, ties by id), softmax(logit / T) in double, top-p (keep while the mass before < p), min-p,
+// renormalized.
+std::pair<std::vector<int32_t>, std::vector<double>> brute_force(const std::vector<float>& logits, int64_t n,
+                                                                 const SamplerParams& p) {
+  std::vector<int32_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
+    return la > lb || (la == lb && a < b);
+  });
+  std::vector<double> w;
+  double total = 0;
+  for (int32_t id : order)
+    total += w.emplace_back(
+        std::exp((logits[static_cast<size_t>(id)] - logits[static_cast<size_t>(order[0])]) / p.temperature));
+  size_t keep = order.size();
+  double before = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    if (i > 0 && before / total >= p.top_p) {
+      keep = i;
+      break;
+    }
+    before += w[i];
+  }
+  size_t i = 1;
+  while (i < keep && w[i] >= p.min_p * w[0]) ++i;
+  keep = i;
+  order.resize(keep);
+  w.resize(keep);
+  const double kept = std::accumulate(w.begin(), w.end(), 0.0);
+  for (double& x : w) x /= kept;
+  return {order, w};
+}
+
+// Rows of more than 4096 ids without top-k are truncated from their top ids and the rest's mass, not a
+// sort of the whole row: the result is the brute force's. Top-p keeps the brute force's prefix (ids in its
+// order; 0.9999 at T 2 reaches past the first 1024 ids); temperature alone lists every id, the top ones
+// (at least 1024) in the brute force's order and the others after them in id order.
+TEST(Sampler, LongRowsWithoutTopKAreTheBruteForcesDistribution) {
+  std::mt19937 rng(41);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int trial = 0; trial < 4; ++trial) {
+    const int64_t n = 5000 + 9000 * trial, limit = n - trial * 7;
+    std::vector<float> logits(static_cast<size_t>(n));
+    for (float& l : logits) l = trial % 2 == 0 ? std::round(normal(rng) * 4) / 4 : normal(rng);  // ties
+    for (const SamplerParams& p :
+         {SamplerParams{.temperature = 0.7}, SamplerParams{.temperature = 2.0},
+          SamplerParams{.temperature = 1.0, .top_p = 0.9}, SamplerParams{.temperature = 2.0, .top_p = 0.9999},
+          SamplerParams{.temperature = 1.0, .min_p = 0.01}, SamplerParams{.temperature = 3.0, .min_p = 0.001},
+          SamplerParams{.temperature = 0.8, .top_p = 0.95, .min_p = 0.02}}) {
+      const auto [ids, probs] = brute_force(logits, limit, p);
+      const TokenDistribution d = truncate(logits, p, limit);
+      ASSERT_EQ(d.ids.size(), ids.size()) << "n " << n << " T " << p.temperature << " top-p " << p.top_p;
+      EXPECT_EQ(d.unlisted, 0.0);
+      const bool whole = p.top_p >= 1.0 && p.min_p <= 0.0;
+      // Temperature alone: the ids at or above the 1024th largest logit lead, in the brute force's order.
+      size_t top = ids.size();
+      if (whole) {
+        std::vector<float> sorted(logits.begin(), logits.begin() + limit);
+        std::sort(sorted.begin(), sorted.end(), std::greater<>());
+        top = static_cast<size_t>(std::count_if(logits.begin(), logits.begin() + limit,
+                                                [&](float l) { return l >= sorted[1023]; }));
+      }
+      for (size_t i = 0; i < ids.size(); ++i) {
+        if (i < top) {
+          ASSERT_EQ(d.ids[i], ids[i]) << "at " << i << " n " << n << " T " << p.temperature;
+        } else if (i > top) {
+          ASSERT_LT(d.ids[i - 1], d.ids[i]) << "at " << i;  // the rest in id order
+        }
+      }
+      std::vector<double> by_id(static_cast<size_t>(limit), -1.0);
+      for (size_t i = 0; i < ids.size(); ++i) by_id[static_cast<size_t>(ids[i])] = probs[i];
+      double sum = 0;
+      for (size_t i = 0; i < d.ids.size(); ++i) {
+        const double expected = by_id[static_cast<size_t>(d.ids[i])];
+        ASSERT_NEAR(d.probs[i], expected, 1e-6 * expected + 1e-12) << "id " << d.ids[i];
+        sum += d.probs[i];
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-5);
+    }
+  }
+}
+
+// A device's top ids of a row sampled whole (temperature alone), with the rest's mass: draw() gives the
+// row's own draw at every u below their share and asks for the row (nullopt) at every u above it, where
+// the row's draw is one of the ids below them. sample() refuses the part.
+TEST(Sampler, DrawsBelowADevicesTopIdsAreTheRowsDraws) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (int trial = 0; trial < 3; ++trial) {
+    const int64_t n = 12000 + trial * 5000;
+    std::vector<float> logits(static_cast<size_t>(n));
+    for (float& l : logits) l = trial == 1 ? std::round(normal(rng) * 8) / 8 : normal(rng);
+    std::vector<float> sorted = logits;
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    const float threshold = sorted[767];  // as the CUDA executor asks: the 768 largest, ties included
+    const auto [ids, values] = candidates_at_or_above(logits, n, threshold, rng);
+    for (double t : {0.6, 1.0, 1.7}) {
+      const SamplerParams p{.temperature = t};
+      double rest = 0;
+      for (float l : sorted)
+        if (l < threshold) rest += std::exp((static_cast<double>(l) - sorted[0]) / t);
+      const TokenDistribution top = truncate_candidates(ids, values, p, rest), row = truncate(logits, p, n);
+      ASSERT_EQ(top.ids.size(), ids.size());
+      ASSERT_GT(top.unlisted, 1e-4) << "T " << t;
+      const std::set<int32_t> top_ids(ids.begin(), ids.end());
+      int below = 0;
+      const int draws = 20000;
+      for (int i = 0; i < draws; ++i) {
+        const double u = (i + 0.5) / draws;
+        const std::optional<int32_t> from_top = draw(top, u), from_row = draw(row, u);
+        ASSERT_TRUE(from_row.has_value());
+        if (from_top) {
+          ASSERT_EQ(*from_top, *from_row) << "u " << u << " T " << t;
+        } else {
+          ASSERT_EQ(top_ids.count(*from_row), 0u) << "u " << u << " T " << t;
+          ++below;
+        }
+      }
+      EXPECT_NEAR(below, top.unlisted * draws, 1.0) << "T " << t;
+      Rng r(1);
+      EXPECT_THROW(sample(top, r), Error);
     }
   }
 }

@@ -76,6 +76,35 @@ TEST(AcceptDrafts, ResidualIsNormalizedPositivePart) {
   EXPECT_NEAR(r.probs[1], 0.4, 1e-6);
 }
 
+// Rows sampled whole list every id (a dense table of q's probabilities then, not a map): the residual is
+// still max(p - q, 0) normalized, for ids in any order and q listing ids p does not.
+TEST(AcceptDrafts, ResidualOfRowsSampledWhole) {
+  std::mt19937 rng(5);
+  const int32_t n = 6000;
+  auto random_row = [&](int32_t ids) {
+    TokenDistribution d;
+    std::vector<double> w(static_cast<size_t>(ids));
+    double total = 0;
+    for (double& x : w) total += (x = std::uniform_real_distribution<double>(0.0, 1.0)(rng));
+    for (int32_t i = 0; i < ids; ++i) d.ids.push_back(i);
+    std::shuffle(d.ids.begin(), d.ids.end(), rng);
+    for (int32_t id : d.ids) d.probs.push_back(static_cast<float>(w[static_cast<size_t>(id)] / total));
+    return d;
+  };
+  const TokenDistribution p = random_row(n), q = random_row(n + 100);
+  std::vector<double> pp(static_cast<size_t>(n + 100)), qq(pp.size()), expected(pp.size());
+  for (size_t i = 0; i < p.ids.size(); ++i) pp[static_cast<size_t>(p.ids[i])] = p.probs[i];
+  for (size_t i = 0; i < q.ids.size(); ++i) qq[static_cast<size_t>(q.ids[i])] = q.probs[i];
+  double total = 0;
+  for (size_t i = 0; i < pp.size(); ++i) total += (expected[i] = std::max(0.0, pp[i] - qq[i]));
+  const TokenDistribution r = residual_distribution(p, q);
+  size_t positive = 0;
+  for (double e : expected) positive += e > 0 ? 1 : 0;
+  ASSERT_EQ(r.ids.size(), positive);
+  for (size_t i = 0; i < r.ids.size(); ++i)
+    ASSERT_NEAR(r.probs[i], expected[static_cast<size_t>(r.ids[i])] / total, 1e-6) << r.ids[i];
+}
+
 // The emitted first token is distributed as p whatever q is (the theorem of speculative sampling).
 TEST(AcceptDrafts, FirstTokenFollowsTheTargetDistribution) {
   TokenDistribution p = dist({0, 1, 2, 3}, {0.4f, 0.3f, 0.2f, 0.1f});

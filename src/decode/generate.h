@@ -67,6 +67,8 @@ struct GenerateStats {
   double prefill_seconds = 0.0;  // prompt forward pass (includes the first sampled token)
   double decode_seconds = 0.0;   // the remaining forward passes
   int64_t decode_steps = 0;
+  // Sampling a row whole on a device: the draws that landed below its top ids and fetched its logits.
+  int64_t logit_rows_fetched = 0;
   MtpStats mtp;
 
   double prefill_tok_s() const {

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <numeric>
+#include <optional>
 
 #include "backend/cpu/ops.h"
 #include "util/error.h"
@@ -47,26 +47,35 @@ bool any_passes(const float* x, float threshold, Compare passes) {
 
 namespace {
 
-// What truncate() does once top-k has chosen the survivors: `ids` (any order) with logit(id) their logits.
+// What truncate() does once top-k has chosen the survivors: (id, logit) pairs in any order.
 // Sorted highest logit first (ties: lower id first), then softmax(logit / T), top-p, min-p, renormalized.
 // rest_mass > 0: the ids are the top of a row whose other ids weigh rest_mass in all (each
-// exp(logit / T - max / T)); it counts in top-p's total, and the result must not reach below the ids.
-template <typename LogitOf>
-TokenDistribution truncate_survivors(std::vector<int32_t> ids, LogitOf logit, const SamplerParams& p,
-                                     double rest_mass = 0.0) {
+// exp(logit / T - max / T)); it counts in top-p's total. The result must not reach below the ids: when
+// top-p or min-p cut inside them, it is the row's; when nothing cuts, a row sampled whole (temperature
+// alone) gets the ids with their share of the row's mass, then `rest` (the ids below with their weights)
+// when given, else `unlisted` = the rest's share. Any other is undecided (nullopt: the ids below are
+// needed).
+using WeightedIds = std::vector<std::pair<int32_t, double>>;
+using IdLogits = std::vector<std::pair<int32_t, float>>;
+std::optional<TokenDistribution> truncate_survivors(IdLogits survivors, const SamplerParams& p,
+                                                    double rest_mass = 0.0,
+                                                    const WeightedIds* rest = nullptr) {
   TokenDistribution d;
-  std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
-    const float la = logit(a), lb = logit(b);
-    return la > lb || (la == lb && a < b);
+  // The pairs themselves, not ids with a lookup: 768 device candidates sorted through a binary search of
+  // their logits per comparison took 0.8 ms, most of a 0.8B GPU decode step.
+  std::sort(survivors.begin(), survivors.end(), [](const auto& a, const auto& b) {
+    return a.second > b.second || (a.second == b.second && a.first < b.first);
   });
+  std::vector<int32_t> ids(survivors.size());
+  for (size_t i = 0; i < survivors.size(); ++i) ids[i] = survivors[i].first;
 
   // softmax(logits / T) over the survivors, in double for a stable sum.
   const double inv_t = 1.0 / p.temperature;
-  const double max_logit = logit(ids[0]) * inv_t;
+  const double max_logit = survivors[0].second * inv_t;
   std::vector<double> w(ids.size());
   double total = 0.0;
   for (size_t i = 0; i < ids.size(); ++i) {
-    w[i] = std::exp(static_cast<double>(logit(ids[i])) * inv_t - max_logit);
+    w[i] = std::exp(static_cast<double>(survivors[i].second) * inv_t - max_logit);
     total += w[i];
   }
   total += rest_mass;
@@ -92,15 +101,74 @@ TokenDistribution truncate_survivors(std::vector<int32_t> ids, LogitOf logit, co
     cut |= i < ids.size();
     keep = i;
   }
-  if (rest_mass > 0.0 && !cut)
-    fail(ErrorKind::kInternal, "sampling candidates do not decide the truncation (rest mass {})", rest_mass);
-  double kept_total = 0.0;
-  for (size_t i = 0; i < keep; ++i) kept_total += w[i];
+  const bool whole_row = p.top_p >= 1.0 && p.min_p <= 0.0;
+  if (rest_mass > 0.0 && !cut && !whole_row) return std::nullopt;
+  // Nothing cut below the ids: every id of the row stays, so the shares are of the row's total.
+  const bool unlisted = rest_mass > 0.0 && !cut;
+  double kept_total = unlisted ? total : 0.0;
+  if (!unlisted)
+    for (size_t i = 0; i < keep; ++i) kept_total += w[i];
   d.ids.assign(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(keep));
   d.probs.resize(keep);
   for (size_t i = 0; i < keep; ++i) d.probs[i] = static_cast<float>(w[i] / kept_total);
+  if (unlisted && rest != nullptr) {
+    d.ids.reserve(keep + rest->size());
+    d.probs.reserve(keep + rest->size());
+    for (const auto& [id, weight] : *rest) {
+      d.ids.push_back(id);
+      d.probs.push_back(static_cast<float>(weight / total));
+    }
+  } else if (unlisted) {
+    d.unlisted = rest_mass / total;
+  }
   return d;
 }
+
+// The k-th largest of logits[0, n) (counting repeats; 0 < k <= n) from one pass that keeps the k largest in
+// a min-heap: most logits lose one comparison with the heap's top. (An nth_element over all n ids took
+// 15 us for the shipped model's 8192, and speculative decoding truncates 2K + 1 rows per step.) Blocks
+// whose logits all lose to the heap's top are skipped after one (vectorized) test: the top only grows, so
+// a logit that loses to it at the block's start loses to it at its turn too, and the others are offered in
+// order, so the heap ends as the plain scan leaves it. (8192 ids: 7.3 -> 1.9 us.)
+float kth_largest(std::span<const float> logits, int64_t n, int64_t k) {
+  std::vector<float> heap(logits.begin(), logits.begin() + k);
+  std::make_heap(heap.begin(), heap.end(), std::greater<>());
+  auto offer = [&](int64_t i) {
+    const float l = logits[static_cast<size_t>(i)];
+    if (l > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+      heap.back() = l;
+      std::push_heap(heap.begin(), heap.end(), std::greater<>());
+    }
+  };
+  int64_t i = k;
+  for (; i + kBlock <= n; i += kBlock)
+    if (any_passes(&logits[static_cast<size_t>(i)], heap.front(), std::greater<>()))
+      for (int64_t j = i; j < i + kBlock; ++j) offer(j);
+  for (; i < n; ++i) offer(i);
+  return heap.front();
+}
+
+// Every id < n whose logit is >= threshold with its logit, in id order.
+IdLogits ids_at_or_above(std::span<const float> logits, int64_t n, float threshold) {
+  IdLogits ids;
+  auto offer = [&](int64_t j) {
+    const float l = logits[static_cast<size_t>(j)];
+    if (l >= threshold) ids.emplace_back(static_cast<int32_t>(j), l);
+  };
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock)
+    if (any_passes(&logits[static_cast<size_t>(i)], threshold, std::greater_equal<>()))
+      for (int64_t j = i; j < i + kBlock; ++j) offer(j);
+  for (; i < n; ++i) offer(i);
+  return ids;
+}
+
+// Rows without top-k longer than this are truncated from their top kTopIds ids (and more while top-p
+// reaches below them) and the rest's mass instead of a sort of the whole row: at Qwen's 248,320 ids that
+// sort took 30 ms per row, several decode steps of a GPU.
+constexpr int64_t kTopIds = 1024;
+constexpr int64_t kSortWholeRowsUpTo = 4 * kTopIds;
 
 }  // namespace
 
@@ -108,45 +176,39 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
   const int64_t n = std::min<int64_t>(vocab_limit, static_cast<int64_t>(logits.size()));
   if (n <= 0) invalid_input("no tokens to sample from");
   if (p.greedy()) return one_hot(argmax(logits, n));
-  // The survivors of top-k (all ids without it): with top-k only k (plus ties) are sorted.
-  std::vector<int32_t> ids;
   if (p.top_k > 0 && p.top_k < n) {
-    // The k-th largest logit (counting repeats) from one pass that keeps the k largest in a min-heap: most
-    // logits lose one comparison with the heap's top. (An nth_element over all n ids took 15 us for the
-    // shipped model's 8192, and speculative decoding truncates 2K + 1 rows per step.)
-    std::vector<float> heap(logits.begin(), logits.begin() + p.top_k);
-    std::make_heap(heap.begin(), heap.end(), std::greater<>());
-    auto offer = [&](int64_t i) {
-      const float l = logits[static_cast<size_t>(i)];
-      if (l > heap.front()) {
-        std::pop_heap(heap.begin(), heap.end(), std::greater<>());
-        heap.back() = l;
-        std::push_heap(heap.begin(), heap.end(), std::greater<>());
-      }
-    };
-    // Blocks whose logits all lose to the heap's top are skipped after one (vectorized) test: the top only
-    // grows, so a logit that loses to it at the block's start loses to it at its turn too, and the others
-    // are offered in order, so the heap ends as the plain scan leaves it. (8192 ids: 7.3 -> 1.9 us.)
-    int64_t i = p.top_k;
-    for (; i + kBlock <= n; i += kBlock)
-      if (any_passes(&logits[static_cast<size_t>(i)], heap.front(), std::greater<>()))
-        for (int64_t j = i; j < i + kBlock; ++j) offer(j);
-    for (; i < n; ++i) offer(i);
-    const float kth = heap.front();
     // Keep every token whose logit is >= the k-th largest (ties at the boundary survive, as in HF).
-    i = 0;
-    for (; i + kBlock <= n; i += kBlock)
-      if (any_passes(&logits[static_cast<size_t>(i)], kth, std::greater_equal<>()))
-        for (int64_t j = i; j < i + kBlock; ++j)
-          if (logits[static_cast<size_t>(j)] >= kth) ids.push_back(static_cast<int32_t>(j));
-    for (; i < n; ++i)
-      if (logits[static_cast<size_t>(i)] >= kth) ids.push_back(static_cast<int32_t>(i));
-  } else {
-    ids.resize(static_cast<size_t>(n));
-    std::iota(ids.begin(), ids.end(), 0);
+    return *truncate_survivors(ids_at_or_above(logits, n, kth_largest(logits, n, p.top_k)), p);
   }
-  return truncate_survivors(
-      std::move(ids), [&](int32_t id) { return logits[static_cast<size_t>(id)]; }, p);
+  // Without top-k: the ids at or above the `top`-th largest and the mass of those below (in id order, each
+  // weighed as truncate_survivors weighs the ids), while top-p's prefix reaches below them.
+  for (int64_t top = kTopIds; top <= n / 4 && n > kSortWholeRowsUpTo; top *= 8) {
+    const float threshold = kth_largest(logits, n, top);
+    IdLogits ids = ids_at_or_above(logits, n, threshold);
+    const double inv_t = 1.0 / p.temperature;
+    float highest = threshold;
+    for (const auto& [id, l] : ids) highest = std::max(highest, l);
+    const double max_logit = highest * inv_t;
+    // Temperature alone samples the whole row: the ids below follow the top ones in id order.
+    const bool whole_row = p.top_p >= 1.0 && p.min_p <= 0.0;
+    WeightedIds rest;
+    if (whole_row) rest.reserve(static_cast<size_t>(n));
+    double rest_mass = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float l = logits[static_cast<size_t>(i)];
+      if (!(l < threshold)) continue;  // a top id (or NaN)
+      const double w = std::exp(static_cast<double>(l) * inv_t - max_logit);
+      rest_mass += w;
+      if (whole_row) rest.emplace_back(static_cast<int32_t>(i), w);
+    }
+    if (std::optional<TokenDistribution> d = truncate_survivors(std::move(ids), p, rest_mass, &rest))
+      return *std::move(d);
+    // top-p reaches below these ids: take more of them
+  }
+  IdLogits ids(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    ids[static_cast<size_t>(i)] = {static_cast<int32_t>(i), logits[static_cast<size_t>(i)]};
+  return *truncate_survivors(std::move(ids), p);
 }
 
 TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<const float> logits,
@@ -160,33 +222,37 @@ TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<co
       if (logits[i] > logits[best] || (logits[i] == logits[best] && ids[i] < ids[best])) best = i;
     return one_hot(ids[best]);
   }
-  // logit(id) by the candidate's position: ids are unique, so sort positions by id once.
-  std::vector<std::pair<int32_t, float>> by_id(ids.size());
-  for (size_t i = 0; i < ids.size(); ++i) by_id[i] = {ids[i], logits[i]};
-  std::sort(by_id.begin(), by_id.end());
-  auto logit = [&](int32_t id) {
-    return std::lower_bound(by_id.begin(), by_id.end(), std::pair<int32_t, float>{id, -INFINITY})->second;
-  };
-  return truncate_survivors(std::vector<int32_t>(ids.begin(), ids.end()), logit, p, rest_mass);
+  IdLogits survivors(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) survivors[i] = {ids[i], logits[i]};
+  std::optional<TokenDistribution> d = truncate_survivors(std::move(survivors), p, rest_mass);
+  if (!d)
+    fail(ErrorKind::kInternal, "sampling candidates do not decide the truncation (rest mass {})", rest_mass);
+  return *std::move(d);
 }
 
-int32_t sample(const TokenDistribution& d, Rng& rng) {
-  const double u = rng.uniform();
+std::optional<int32_t> draw(const TokenDistribution& d, double u) {
   double cumulative = 0.0;
   for (size_t i = 0; i < d.ids.size(); ++i) {
     cumulative += d.probs[i];
     if (u < cumulative) return d.ids[i];
   }
-  return d.ids.back();  // u beyond the float-rounded total
+  if (d.unlisted > 0.0) return std::nullopt;  // below the listed ids
+  return d.ids.back();                        // u beyond the float-rounded total
 }
 
-CandidateRequest candidate_request(const SamplerParams& p, int64_t vocab_limit) {
+int32_t sample(const TokenDistribution& d, Rng& rng) {
+  if (d.unlisted > 0.0) fail(ErrorKind::kInternal, "sample: the distribution lists only part of its row");
+  return *draw(d, rng.uniform());
+}
+
+CandidateRequest candidate_request(const SamplerParams& p, int64_t vocab_limit, bool rows_on_request) {
   if (p.greedy()) return {};
   return {.limit = vocab_limit,
           .top_k = p.top_k,
           .temperature = p.temperature,
           .top_p = p.top_p,
-          .min_p = p.min_p};
+          .min_p = p.min_p,
+          .rows_on_request = rows_on_request};
 }
 
 SamplerParams sampler_defaults(const GenerationConfig& g) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <span>
 #include <vector>
@@ -29,12 +30,19 @@ SamplerParams sampler_defaults(const GenerationConfig& config);
 void validate(const SamplerParams& params);
 
 // A probability distribution over a subset of the vocabulary, sorted by probability (descending, ties
-// by lower id first); probabilities sum to 1. Tokens not listed have probability 0.
+// by lower id first); probabilities sum to 1. Tokens not listed have probability 0. Two exceptions, both
+// from rows sampled whole (temperature alone, no truncation):
+// - truncate() of a long row (over 4096 ids) sorts only its top ids (at least 1024); the others follow in
+//   id order (sorting them took 30 ms per row at Qwen's vocabulary). Any order is as exact: draw() walks
+//   the list.
+// - truncate_candidates() of a device's top ids lists only those, with their share of the whole row, and
+//   `unlisted` is the share of the ids below them (the row's truncate() lists those after these).
 struct TokenDistribution {
   std::vector<int32_t> ids;
   std::vector<float> probs;
+  double unlisted = 0.0;
 
-  float prob(int32_t id) const;  // 0 for an unlisted id
+  float prob(int32_t id) const;  // 0 for an id not listed
 };
 
 // softmax(logits / T), then, in Hugging Face's order: top-k (keep tokens whose logit is >= the k-th
@@ -50,13 +58,16 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
 // - Without: `ids` are every id < vocab_limit whose logit is >= some threshold, and rest_mass the sum of
 //   exp((logit - max) / T) over the ids below it (max: the row's largest logit). It counts in top-p's
 //   total; top-p's prefix must end inside the ids or min-p must drop some of them (an mtpx::Error,
-//   kInternal, when neither does: the ids below would be needed).
+//   kInternal, when neither does: the ids below would be needed), unless the row is sampled whole
+//   (temperature alone): then the result lists the ids and `unlisted` is the rest's share.
 TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<const float> logits,
                                       const SamplerParams& params, double rest_mass = 0.0);
 
 // What a device is asked to send back for sampling with `params` over ids < vocab_limit (none for greedy:
-// the passes' argmax serves it).
-CandidateRequest candidate_request(const SamplerParams& params, int64_t vocab_limit);
+// the passes' argmax serves it). rows_on_request: the caller can fetch a pass's logits afterwards
+// (Model::fetch_logits), so a row sampled whole comes back as its top ids and the rest's mass too.
+CandidateRequest candidate_request(const SamplerParams& params, int64_t vocab_limit,
+                                   bool rows_on_request = false);
 
 // The largest logit's id among ids < vocab_limit (lowest id on ties).
 int32_t argmax(std::span<const float> logits, int64_t vocab_limit);
@@ -76,7 +87,14 @@ class Rng {
   std::mt19937_64 engine_;
 };
 
-// Draws one id from the distribution (inverse CDF over the sorted list).
+// The id at u in [0, 1) of the distribution's inverse CDF, walking its list in order; nullopt when u lands
+// in its unlisted share. The row's full distribution (truncate()) lists the same ids first in the same
+// order (a device's top ids are at most 1024, among truncate()'s top ids), so drawing from it with the
+// same u gives the same id, or one of the unlisted ones where this gave nullopt: a draw that needs the
+// row only when it lands below its top ids is exact.
+std::optional<int32_t> draw(const TokenDistribution& distribution, double u);
+
+// Draws one id from a fully listed distribution (draw() at a uniform u).
 int32_t sample(const TokenDistribution& distribution, Rng& rng);
 
 }  // namespace mtpx

@@ -11,15 +11,29 @@
 namespace mtpx {
 
 TokenDistribution residual_distribution(const TokenDistribution& p, const TokenDistribution& q) {
-  std::unordered_map<int32_t, float> q_prob;
-  q_prob.reserve(q.ids.size());
-  for (size_t i = 0; i < q.ids.size(); ++i) q_prob[q.ids[i]] = q.probs[i];
+  // q's probability by id: a hash map for truncated rows, a dense table for rows sampled whole (a map of
+  // 248,320 entries took milliseconds).
+  constexpr size_t kDenseFrom = 4096;
+  std::unordered_map<int32_t, float> q_map;
+  std::vector<float> q_dense;
+  if (q.ids.size() < kDenseFrom) {
+    q_map.reserve(q.ids.size());
+    for (size_t i = 0; i < q.ids.size(); ++i) q_map[q.ids[i]] = q.probs[i];
+  } else {
+    q_dense.assign(static_cast<size_t>(*std::max_element(q.ids.begin(), q.ids.end())) + 1, 0.0f);
+    for (size_t i = 0; i < q.ids.size(); ++i) q_dense[static_cast<size_t>(q.ids[i])] = q.probs[i];
+  }
+  auto q_prob = [&](int32_t id) -> double {
+    if (q_dense.empty()) {
+      auto it = q_map.find(id);
+      return it == q_map.end() ? 0.0 : it->second;
+    }
+    return static_cast<size_t>(id) < q_dense.size() ? q_dense[static_cast<size_t>(id)] : 0.0;
+  };
   TokenDistribution r;
   double total = 0.0;
   for (size_t i = 0; i < p.ids.size(); ++i) {
-    auto it = q_prob.find(p.ids[i]);
-    const double diff =
-        static_cast<double>(p.probs[i]) - (it == q_prob.end() ? 0.0 : static_cast<double>(it->second));
+    const double diff = static_cast<double>(p.probs[i]) - q_prob(p.ids[i]);
     if (diff > 0.0) {
       r.ids.push_back(p.ids[i]);
       r.probs.push_back(static_cast<float>(diff));

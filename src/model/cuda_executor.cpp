@@ -69,6 +69,7 @@ class CudaSequence : public DeviceSequence {
   ~CudaSequence() override {
     for (auto& [key, pass] : graphs) cuda::Stream::destroy_graph(pass.exec);
   }
+  int64_t id = 0;  // unique among the executor's sequences
   Buffer pos{sizeof(int32_t)};
   std::vector<DeviceKv> kv;        // per layer (empty buffers for DeltaNet layers)
   std::vector<DeviceDelta> delta;  // per layer (empty for attention layers)
@@ -91,6 +92,7 @@ class CudaExecutor final : public DeviceExecutor {
                std::vector<float>& logits, std::vector<int32_t>& argmax,
                LogitCandidates& candidates) const override;
   void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const override;
+  void fetch_logits(const DeviceSequence& sequence, std::vector<float>& logits) const override;
   void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden, std::span<const int32_t> tokens,
                    int64_t p0, LogitRows rows, int64_t logit_ids, int64_t argmax_limit,
                    CandidateRequest sample, std::vector<float>& hidden_out, std::vector<float>& logits,
@@ -191,6 +193,11 @@ class CudaExecutor final : public DeviceExecutor {
   mutable int64_t scratch_generation_ = 0;
   bool use_graphs_ = true;
   mutable Buffer logits_;
+  // The sequence (CudaSequence::id) whose trunk pass computed logits_, 0 after a head pass, and its logit
+  // rows: what fetch_logits may copy.
+  mutable int64_t logits_owner_ = 0;
+  mutable int64_t logits_rows_ = 0;
+  mutable std::atomic<int64_t> sequences_made_{0};
   mutable Buffer argmax_;                                               // int32 per logit row (greedy passes)
   mutable Buffer candidate_ids_, candidate_values_, candidate_counts_;  // [rows, kCandidateCap], [rows]
   mutable Buffer candidate_masses_;     // [rows, 2]: the candidates' and the rest's
@@ -369,6 +376,7 @@ void CudaExecutor::ensure_scratch(int64_t rows) const {
 std::unique_ptr<DeviceSequence> CudaExecutor::new_sequence(int64_t capacity) const {
   const ModelConfig& c = config_;
   auto seq = std::make_unique<CudaSequence>();
+  seq->id = ++sequences_made_;
   seq->kv.resize(static_cast<size_t>(c.num_layers));
   seq->delta.resize(static_cast<size_t>(c.num_layers));
   const int64_t conv = c.conv_dim(), kc1 = c.linear_conv_kernel_dim - 1, hv = c.linear_num_value_heads;
@@ -398,6 +406,7 @@ std::unique_ptr<DeviceSequence> CudaExecutor::new_sequence(int64_t capacity) con
 
 std::unique_ptr<DeviceSequence> CudaExecutor::new_mtp_sequence(int64_t capacity) const {
   auto seq = std::make_unique<CudaSequence>();
+  seq->id = ++sequences_made_;
   const size_t n = static_cast<size_t>(capacity * config_.num_kv_heads * config_.head_dim) * sizeof(float);
   seq->kv.push_back({Buffer(n), Buffer(n)});
   note_device_usage();
@@ -417,16 +426,17 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
   const ModelConfig& c = config_;
   const Scratch& s = scratch_;
   void* st = stream_.handle();
-  const int64_t H = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
   float* x = s.x.as<float>();
   float* normed = s.normed.as<float>();
-  cuda::rms_norm_rows(x, H, l.input_norm, eps, T, H, normed, H, st);
+  // The pre-norms go into the products that read them where those can take them (cuda::RowNorm), else
+  // into `normed` first.
+  const cuda::RowNorm input_norm{l.input_norm, eps}, post_attn_norm{l.post_attn_norm, eps};
   if (l.type == LayerType::kFullAttention) {
     const DeviceAttention& a = l.attention;
     const Matrix qkv[3] = {a.q_proj, a.k_proj, a.v_proj};
     float* const qkv_out[3] = {s.qg.as<float>(), s.k.as<float>(), s.v.as<float>()};
-    cuda::matmul_group(qkv, qkv_out, 3, normed, T, workspace());
+    cuda::matmul_group(qkv, qkv_out, 3, x, T, workspace(), input_norm, normed);
     cuda::qk_norm_rope_store(s.qg.as<float>(), s.k.as<float>(), s.v.as<float>(), a.q_norm, a.k_norm, eps, T,
                              c.num_attention_heads, c.num_kv_heads, c.head_dim, c.rotary_dim, c.rope_theta,
                              seq.pos.as<int32_t>(), kv->keys.as<float>(), kv->values.as<float>(), st);
@@ -447,7 +457,7 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
     float* const beta = record ? d.beta.as<float>() : s.beta.as<float>();
     const Matrix in[4] = {n.in_proj_qkv, n.in_proj_z, n.in_proj_b, n.in_proj_a};
     float* const in_out[4] = {qkv, s.z.as<float>(), s.b.as<float>(), s.a.as<float>()};
-    cuda::matmul_group(in, in_out, 4, normed, T, workspace());
+    cuda::matmul_group(in, in_out, 4, x, T, workspace(), input_norm, normed);
     cuda::deltanet_conv_prepare(qkv, d.conv.as<float>(), n.conv1d, s.b.as<float>(), s.a.as<float>(), n.a_log,
                                 n.dt_bias, T, hk, hv, dk, conv, c.linear_conv_kernel_dim, xconv,
                                 record ? d.conv_before.as<float>() : nullptr, beta, g, st);
@@ -461,8 +471,8 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
     cuda::gated_rms_norm(s.dn_o.as<float>(), s.z.as<float>(), n.norm, eps, T * hv, dv, st);
     mm(n.out_proj, s.dn_o.as<float>(), T, x, /*accumulate=*/true);  // x += out_proj(o)
   }
-  cuda::rms_norm_rows(x, H, l.post_attn_norm, eps, T, H, normed, H, st);
-  cuda::matmul_swiglu(l.gate_proj, l.up_proj, normed, T, s.gate.as<float>(), s.up.as<float>(), workspace());
+  cuda::matmul_swiglu(l.gate_proj, l.up_proj, x, T, s.gate.as<float>(), s.up.as<float>(), workspace(),
+                      post_attn_norm, normed);
   mm(l.down_proj, s.gate.as<float>(), T, x, /*accumulate=*/true);  // x += down(silu(gate) * up)
 }
 
@@ -634,7 +644,21 @@ void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const
       layer_forward(layers_[li], seq, static_cast<int64_t>(li), &seq.kv[li], T, record_window);
     final_norm_and_logits(T, rows, final_norm_, V, argmax_limit, sample);
   });
+  logits_owner_ = seq.id;
+  logits_rows_ = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
   copy_out(T, rows, V, argmax_limit, sample, hidden, logits, argmax, candidates);
+}
+
+void CudaExecutor::fetch_logits(const DeviceSequence& sequence, std::vector<float>& logits) const {
+  std::lock_guard lock(mutex_);
+  if (logits_owner_ != static_cast<const CudaSequence&>(sequence).id || logits_rows_ == 0)
+    fail(ErrorKind::kInternal, "fetch_logits: another pass ran since this sequence's (or it had no logits)");
+  logits.resize(static_cast<size_t>(logits_rows_ * config_.vocab_size));
+  const size_t bytes = logits.size() * sizeof(float);
+  if (staging_.bytes() < bytes) staging_ = cuda::PinnedBuffer(bytes);
+  stream_.to_host(staging_.data(), logits_.data(), bytes);
+  stream_.synchronize();
+  std::memcpy(logits.data(), staging_.data(), bytes);
 }
 
 void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const {
@@ -665,6 +689,7 @@ void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> 
   if (!head_) invalid_input("the model has no MTP head");
   std::lock_guard lock(mutex_);
   auto& seq = static_cast<CudaSequence&>(sequence);
+  logits_owner_ = 0;  // logits_ holds the head's now
   const ModelConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size()), H = c.hidden_size;
   const int64_t V = logit_ids > 0 ? std::min(logit_ids, c.vocab_size) : c.vocab_size;

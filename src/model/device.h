@@ -28,19 +28,26 @@ struct ForwardResult;
 //   candidates decide the result when top-p's prefix ends inside them (their mass >= top_p * total) or
 //   min-p drops the weakest of them (every id below weighs no more); a row they do not decide comes back
 //   as logits (decided_by()).
+// - with none of them (temperature alone, the row sampled whole) and rows_on_request: the same threshold
+//   candidates and rest mass, and the logits stay on the device until its next pass
+//   (DeviceExecutor::fetch_logits), for the draws that land below the candidates. Without
+//   rows_on_request such rows come back as logits.
 struct CandidateRequest {
   int64_t limit = 0;  // ids < limit are eligible; 0: no request
   int64_t top_k = 0;
   double temperature = 1.0, top_p = 1.0, min_p = 0.0;
+  bool rows_on_request = false;
 
   bool top_k_active() const { return top_k > 0 && top_k < limit; }
-  bool active() const { return limit > 0 && (top_k_active() || top_p < 1.0 || min_p > 0.0); }
+  bool whole_row() const { return !top_k_active() && top_p >= 1.0 && min_p <= 0.0; }
+  bool active() const { return limit > 0 && (!whole_row() || rows_on_request); }
   // Whether candidates with this mass (and the lowest of them weighing lowest_weight, the highest 1: the
   // weights exp((logit - max) / temperature)) decide top-p or min-p without the ids below them. A margin
   // of 1e-9 covers the different order of the sums here and in the sampler's truncation.
   bool decided_by(double candidate_mass, double rest_mass, double lowest_weight) const {
     constexpr double kMargin = 1e-9;
     if (rest_mass <= 0.0) return true;  // nothing below the candidates
+    if (whole_row()) return rows_on_request;
     const bool top_p_inside =
         top_p < 1.0 && candidate_mass >= top_p * (candidate_mass + rest_mass) * (1.0 + kMargin);
     const bool min_p_drops = min_p > 0.0 && lowest_weight < min_p * (1.0 - kMargin);
@@ -108,6 +115,9 @@ class DeviceExecutor {
   // Cuts the last recorded window (of window_tokens) back to its first `keep` tokens.
   virtual void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const = 0;
   // As mtp_forward (model/mtp_head.h): logits of ids < logit_ids only (0: all), from that many lm_head rows.
+  // The [rows, V] logits of `sequence`'s last forward() (all of them, as computed), while no other pass
+  // has run since (an mtpx::Error, kInternal, otherwise): what a draw below a whole row's candidates needs.
+  virtual void fetch_logits(const DeviceSequence& sequence, std::vector<float>& logits) const = 0;
   virtual void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
                            std::span<const int32_t> tokens, int64_t p0, LogitRows rows, int64_t logit_ids,
                            int64_t argmax_limit, CandidateRequest sample, std::vector<float>& hidden_out,

@@ -183,6 +183,12 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   state.advance(T);
 }
 
+void Model::fetch_logits(const InferenceState& state, std::vector<float>& logits) const {
+  if (!executor_ || state.device() == nullptr)
+    fail(ErrorKind::kInternal, "fetch_logits: the CPU's passes return their logits");
+  executor_->fetch_logits(*state.device(), logits);
+}
+
 void Model::fail_non_finite(const std::string& what) const {
   std::string culprits;
   int found = 0;

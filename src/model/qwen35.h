@@ -73,6 +73,10 @@ class Model {
                bool record_window = false, int64_t argmax_limit = 0, int64_t head_logit_ids = 0,
                CandidateRequest sample = {}) const;
 
+  // The logits of `state`'s last forward() on a device that returned candidates for a row sampled whole
+  // (CandidateRequest::rows_on_request), while no other pass has run on the device since: [rows, V].
+  void fetch_logits(const InferenceState& state, std::vector<float>& logits) const;
+
   // Throws kInvalidInput for NaN or Inf that a forward pass produced (`what`: "logits at position 12"),
   // naming the checkpoint tensors that hold NaN or Inf: sampling from such logits would emit garbage.
   // Scans the mapped weights, so it is only called on that error path.

@@ -75,6 +75,9 @@ struct GemvGroup {
   int count;
   int cols;
   uint32_t prefetch_bytes;  // of each row, before griddep_wait (device_math.cuh)
+  // bf16_tile_rows only: non-null: the activation rows are RMS-normalized first (RowNorm, kernels.h).
+  const float* norm_weight;
+  float norm_eps;
 };
 
 template <typename W, int M, int MODE, int R>  // R weight rows per warp (swiglu: R/2 gate + R/2 up rows)
@@ -141,6 +144,11 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 // H200 (BENCHMARKS.md, session 15): 9B c(3) 1.27 -> 1.10, c(7) 2.0 -> 1.33, decode 161 -> 169 tok/s
 // (MTPX_BF16_ROWS=fma switches back to the FMA kernel). Batch-invariant: activation row m is B's column m,
 // which no other column touches, with the same instructions, k order and warp order for any row count.
+// With g.norm_weight (RowNorm, kernels.h) the product takes x * weight and each lane also sums x^2 over the
+// values it loads; the lanes of a row (four, then the warps in order) add those up and the output is scaled
+// by 1 / rms(x) = 1 / sqrt(sum / cols + eps): (x / rms * weight) W^T with the norm's division moved past the
+// dot product, so the RMSNorm kernel before the product and its round trip go away. The same order for any
+// row count again.
 constexpr int kTileRows = 16;  // weight rows per mma tile
 constexpr int kTileK = 64;     // k per warp step: 32 bytes of a weight row per lane, four mma k-steps
 
@@ -160,13 +168,15 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint3
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
-// RT row tiles per block (not SwiGLU: 16 RT consecutive rows of one matrix), WARPS warps splitting k.
-template <int NT, int MODE, int U, int RT = 1, int WARPS = kGemvWarps>
+// RT row tiles per block (not SwiGLU: 16 RT consecutive rows of one matrix), WARPS warps splitting k; NORM:
+// the input's RMSNorm (g.norm_weight) taken.
+template <int NT, int MODE, int U, int RT = 1, int WARPS = kGemvWarps, bool NORM = false>
 __global__ void __launch_bounds__(WARPS * 32)
     bf16_tile_rows(const GemvGroup<__nv_bfloat16> g, const float* __restrict__ x, int m_count) {
   constexpr int kTiles = MODE == kSwiglu ? 2 : RT;
   constexpr int kOutTiles = MODE == kSwiglu ? 1 : RT;
-  __shared__ float partial[WARPS][kTiles][NT][4][32];  // each warp's accumulator fragments
+  __shared__ float partial[WARPS][kTiles][NT][4][32];      // each warp's accumulator fragments
+  __shared__ float row_squares[NORM ? WARPS : 1][NT * 8];  // NORM: each warp's sums of x^2 per row
   const int block = blockIdx.x;
   int j = 0;
   while (block >= g.tasks_before[j + 1]) ++j;
@@ -195,6 +205,9 @@ __global__ void __launch_bounds__(WARPS * 32)
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[t][n][c] = 0.0f;
+  float squares[NT];  // NORM: the sum of x^2 over the lane's values of row n * 8 + grp
+#pragma unroll
+  for (int n = 0; n < NT; ++n) squares[n] = 0.0f;
   const int k_blocks = cols / kTileK;
   // U k-blocks per pass, all their loads issued before the first mma (past the end: not loaded, zero).
   for (int kb0 = warp; kb0 < k_blocks; kb0 += U * WARPS) {
@@ -223,9 +236,25 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (kb0 + u * WARPS >= k_blocks) break;
+      float4 nw[NORM ? 4 : 1];  // the norm's weights at the lane's 16 values (read here: registers)
+      if constexpr (NORM) {
+        const float4* wn =
+            reinterpret_cast<const float4*>(g.norm_weight + (kb0 + u * WARPS) * kTileK + 16 * quad);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) nw[i] = __ldg(wn + i);
+      }
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         uint32_t bh[8], bl[8];  // word i: activation values 2i, 2i + 1 of the lane's 16
+        if constexpr (NORM) {   // x^2 summed, then x * weight (the row's 1 / rms comes at the end)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            float4& v = xv[u][n][i];
+            squares[n] = fmaf(v.x, v.x, squares[n]), squares[n] = fmaf(v.y, v.y, squares[n]);
+            squares[n] = fmaf(v.z, v.z, squares[n]), squares[n] = fmaf(v.w, v.w, squares[n]);
+            v.x *= nw[i].x, v.y *= nw[i].y, v.z *= nw[i].z, v.w *= nw[i].w;
+          }
+        }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           split_pair(xv[u][n][i].x, xv[u][n][i].y, bh[2 * i], bl[2 * i]);
@@ -251,6 +280,15 @@ __global__ void __launch_bounds__(WARPS * 32)
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int c = 0; c < 4; ++c) partial[warp][t][n][c][lane] = acc[t][n][c];
+  if constexpr (NORM) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {  // the row's four lanes, in a fixed order
+      float v = squares[n];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (quad == 0) row_squares[warp][n * 8 + grp] = v;
+    }
+  }
   __syncthreads();
   // Output (row r of the tile, activation row m), consecutive threads on consecutive rows. Fragment
   // element c of lane (g, q) holds row g + 8 (c / 2), column 2q + c % 2.
@@ -259,13 +297,20 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int row = row0 + ot * kTileRows + r;
     if (m >= m_count || row >= rows) continue;
     const int n = m / 8, frag_lane = (r % 8) * 4 + (m % 8) / 2, c = (r / 8) * 2 + m % 2;
-    float v[2];
+    float v[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int t = 0; t < (MODE == kSwiglu ? 2 : 1); ++t) {
       float sum = 0.0f;
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) sum += partial[w][MODE == kSwiglu ? t : ot][n][c][frag_lane];
       v[t] = sum;
+    }
+    if constexpr (NORM) {  // x W^T / rms(x), as rms_norm_kernel computes 1 / rms
+      float squares_sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) squares_sum += row_squares[w][m];
+      const float scale = 1.0f / sqrtf(squares_sum / static_cast<float>(cols) + g.norm_eps);
+      v[0] *= scale, v[1] *= scale;
     }
     float* out = g.y[j] + static_cast<size_t>(m) * rows + row;
     if constexpr (MODE == kSwiglu)
@@ -301,6 +346,23 @@ void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cu
   // k-blocks in flight per warp, measured on the 9B shape (H200, BENCHMARKS.md session 15): 4 for one tile
   // (169 against 160 tok/s with 2, 162 with 8: 255 registers), 2 for two tiles (SwiGLU's gate and up, or
   // two row tiles: the same bytes).
+  if (g.norm_weight != nullptr) {  // the pre-norm taken: stored products and SwiGLU (tiles_take_norm)
+    if constexpr (MODE == kAccumulate) {
+      fail(ErrorKind::kInternal, "bf16 tiles: a norm in a residual product");
+    } else if constexpr (MODE == kSwiglu) {
+      if (m <= 8)
+        return launch_pdl(bf16_tile_rows<1, MODE, 2, 1, kGemvWarps, true>, blocks, kGemvWarps * 32, 0, s, g,
+                          x, mc);
+      return launch_pdl(bf16_tile_rows<2, MODE, 2, 1, kGemvWarps, true>, blocks, kGemvWarps * 32, 0, s, g, x,
+                        mc);
+    } else {
+      if (row_tiles == 2)
+        return launch_pdl(bf16_tile_rows<1, MODE, 2, 2, kGemvWarps, true>, blocks, kGemvWarps * 32, 0, s, g,
+                          x, mc);
+      return launch_pdl(bf16_tile_rows<2, MODE, 2, 1, kGemvWarps, true>, blocks, kGemvWarps * 32, 0, s, g, x,
+                        mc);
+    }
+  }
   if (m <= 8) {
     if constexpr (MODE == kSwiglu) {
       return launch_pdl(bf16_tile_rows<1, MODE, 2>, blocks, kGemvWarps * 32, 0, s, g, x, mc);
@@ -365,6 +427,7 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
   if constexpr (std::is_same_v<W, __nv_bfloat16>)
     if (aligned && g.cols % kTileK == 0 && m <= 2 * 8 && bf16_tensor_rows())
       return launch_bf16_tiles<MODE>(g, x, m, s);
+  if (g.norm_weight != nullptr) fail(ErrorKind::kInternal, "gemv: a norm outside the bf16 tile kernel");
   // Enough warps to keep every SM streaming: 2 rows per warp below 8192 rows (which rows share a warp
   // changes no row's arithmetic, so this choice keeps batch invariance).
   const bool narrow = MODE != kSwiglu && total_rows < 8192 && std::is_same_v<W, __nv_bfloat16>;
@@ -1682,11 +1745,14 @@ __global__ void topk_counts_kernel(const TopKRow* rows, int32_t* counts, double*
 namespace {
 
 template <int MODE>
-void row_kernels(const Matrix* ws, int count, const float* x, int64_t m, float* const* ys, cudaStream_t s) {
+void row_kernels(const Matrix* ws, int count, const float* x, int64_t m, float* const* ys, cudaStream_t s,
+                 RowNorm norm = {}) {
   if (ws[0].type == Dtype::kAffine) return affine::rows(MODE, ws, count, x, m, ys, s);
   auto fill = [&](auto* typed_null) {
     using W = std::remove_const_t<std::remove_pointer_t<decltype(typed_null)>>;
     GemvGroup<W> g{};
+    g.norm_weight = norm.weight;
+    g.norm_eps = norm.eps;
     g.count = MODE == kSwiglu ? 1 : count;
     g.cols = static_cast<int>(ws[0].cols);
     for (int i = 0; i < count; ++i) {
@@ -1784,9 +1850,31 @@ void matmul(const Matrix& w, const float* x, int64_t m, float* y, bool accumulat
     row_kernels<kStore>(&w, 1, x, m, ys, s);
 }
 
-void matmul_group(const Matrix* w, float* const* y, int count, const float* x, int64_t m,
-                  const Workspace& ws) {
+// Whether bf16_tile_rows runs these products of m rows and can take their input's RMSNorm (the
+// condition launch_gemv picks that kernel by, for every matrix of the group).
+bool tiles_take_norm(const Matrix* w, int count, const float* x, int64_t m) {
+  bool take = count > 0 && fused_row_norms() && bf16_tensor_rows() && m > 0 && m <= 2 * 8 &&
+              m < kGemmMinRows && reinterpret_cast<uintptr_t>(x) % 16 == 0 && w[0].cols % kTileK == 0;
+  for (int i = 0; i < count; ++i)
+    take &= w[i].type == Dtype::kBF16 && w[i].cols == w[0].cols &&
+            reinterpret_cast<uintptr_t>(w[i].data) % 16 == 0;
+  return take;
+}
+
+// x normalized into `normed` where the products cannot take the norm (then x is `normed`).
+const float* apply_norm_unless_taken(const Matrix* w, int count, const float* x, int64_t m, RowNorm& norm,
+                                     float* normed, void* stream) {
+  if (norm.weight == nullptr || tiles_take_norm(w, count, x, m)) return x;
+  if (normed == nullptr) fail(ErrorKind::kInternal, "matmul with a norm: no scratch for the normalized rows");
+  rms_norm_rows(x, w[0].cols, norm.weight, norm.eps, m, w[0].cols, normed, w[0].cols, stream);
+  norm = {};
+  return normed;
+}
+
+void matmul_group(const Matrix* w, float* const* y, int count, const float* x, int64_t m, const Workspace& ws,
+                  RowNorm norm, float* normed) {
   if (count < 1 || count > kMaxGroup) fail(ErrorKind::kInternal, "matmul_group: {} matrices", count);
+  x = apply_norm_unless_taken(w, count, x, m, norm, normed, ws.stream);
   bool same = true;
   for (int i = 0; i < count; ++i)
     same &= w[i].type == w[0].type && w[i].cols == w[0].cols && w[i].bits == w[0].bits &&
@@ -1799,14 +1887,19 @@ void matmul_group(const Matrix* w, float* const* y, int count, const float* x, i
     for (int i = 0; i < count; ++i) matmul(w[i], x, m, y[i], false, ws);
     return;
   }
-  if (m > 0) row_kernels<kStore>(w, count, x, m, y, as_stream(ws.stream));
+  if (m > 0) row_kernels<kStore>(w, count, x, m, y, as_stream(ws.stream), norm);
 }
 
 void matmul_swiglu(const Matrix& gate, const Matrix& up, const float* x, int64_t m, float* out,
-                   float* up_scratch, const Workspace& ws) {
+                   float* up_scratch, const Workspace& ws, RowNorm norm, float* normed) {
   if (m <= 0) return;
-  if (m >= kGemmMinRows || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols ||
-      gate.bits != up.bits || gate.group_size != up.group_size || gate.scale_type != up.scale_type) {
+  const Matrix both[2] = {gate, up};
+  const bool one_launch = m < kGemmMinRows && gate.type == up.type && gate.rows == up.rows &&
+                          gate.cols == up.cols && gate.bits == up.bits && gate.group_size == up.group_size &&
+                          gate.scale_type == up.scale_type;
+  // The norm goes into the product only where one launch computes both.
+  x = apply_norm_unless_taken(both, one_launch ? 2 : 0, x, m, norm, normed, ws.stream);
+  if (!one_launch) {
     matmul(gate, x, m, out, false, ws);
     if (m >= kGemmMinRows)  // x as split for gate where up takes the same type
       gemm(up, x, m, up_scratch, false, ws, /*x_split=*/gate.type == up.type && gate.cols == up.cols);
@@ -1815,9 +1908,8 @@ void matmul_swiglu(const Matrix& gate, const Matrix& up, const float* x, int64_t
     swiglu(out, up_scratch, m * gate.rows, out, ws.stream);
     return;
   }
-  const Matrix both[2] = {gate, up};
   float* const ys[1] = {out};
-  row_kernels<kSwiglu>(both, 2, x, m, ys, as_stream(ws.stream));
+  row_kernels<kSwiglu>(both, 2, x, m, ys, as_stream(ws.stream), norm);
 }
 
 void embed_rows(const Matrix& table, const int32_t* tokens, int64_t t_count, float* out, void* stream) {

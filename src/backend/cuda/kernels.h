@@ -57,12 +57,22 @@ inline constexpr int64_t kDequantBytes = int64_t{64} << 20;
 // m < kGemmMinRows: the batch-invariant row kernels; else cuBLAS on x split into hi + lo halves in the
 // weight's dtype (float32 weights: sgemm; affine weights: dequantized to bf16 blocks of rows first).
 void matmul(const Matrix& w, const float* x, int64_t m, float* y, bool accumulate, const Workspace& ws);
-// Up to 4 products of the same x in one launch: y[i] = x W[i]^T, i < count.
-void matmul_group(const Matrix* w, float* const* y, int count, const float* x, int64_t m,
-                  const Workspace& ws);
-// out = silu(x gate^T) * (x up^T) in one launch (up_scratch [m, rows] is used on the prompt path).
+// The RMSNorm of a product's input (rms_norm_rows with this weight and eps), where a product takes it.
+struct RowNorm {
+  const float* weight = nullptr;  // null: none
+  float eps = 0.0f;
+};
+
+// Up to 4 products of the same x in one launch: y[i] = x W[i]^T, i < count. With `norm`: of x's rows
+// RMS-normalized, inside the products where the row kernels can (bf16 weights on tensor cores, m <= 15:
+// the sum of squares comes with the x loads, 1 / rms scales the dot products) and else by rms_norm_rows
+// into `normed` ([m, cols] of scratch) first. MTPX_FUSED_NORMS=0 always takes the second way.
+void matmul_group(const Matrix* w, float* const* y, int count, const float* x, int64_t m, const Workspace& ws,
+                  RowNorm norm = {}, float* normed = nullptr);
+// out = silu(x gate^T) * (x up^T) in one launch (up_scratch [m, rows] is used on the prompt path); `norm`
+// and `normed` as for matmul_group.
 void matmul_swiglu(const Matrix& gate, const Matrix& up, const float* x, int64_t m, float* out,
-                   float* up_scratch, const Workspace& ws);
+                   float* up_scratch, const Workspace& ws, RowNorm norm = {}, float* normed = nullptr);
 
 // out[t, :] = float(W[tokens[t], :])  (affine: fma(scale, code, bias) in float32, as the CPU computes it)
 void embed_rows(const Matrix& table, const int32_t* tokens, int64_t t_count, float* out, void* stream);

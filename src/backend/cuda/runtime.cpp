@@ -203,6 +203,11 @@ bool bf16_tensor_rows() {
   return enabled;
 }
 
+bool fused_row_norms() {
+  static const bool enabled = unless_env("MTPX_FUSED_NORMS", "0");
+  return enabled;
+}
+
 int multiprocessor_count() {
   static const int count = [] {
     int device = 0, n = 0;

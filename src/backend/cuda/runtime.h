@@ -108,6 +108,10 @@ bool affine_int8_activations();
 // environment sets MTPX_BF16_ROWS=fma (the FMA kernel). Read once.
 bool bf16_tensor_rows();
 
+// Whether the bf16 row kernels take their input's RMSNorm (kernels.h, RowNorm): unless the environment sets
+// MTPX_FUSED_NORMS=0 (a norm kernel before each product). Read once.
+bool fused_row_norms();
+
 // The current device's streaming multiprocessors. Read once.
 int multiprocessor_count();
 
