@@ -25,6 +25,8 @@ if [ "$bin" != build ] && [ ! -e build/mtpx ]; then mkdir -p build && ln -s "$(r
 MTPX_AFFINE_ACTIVATIONS=f32 "$bin/mtpx_tests" --gtest_filter='*CudaQuantized*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # bf16 rows run on tensor cores by default (kernels.cu, bf16_tile_rows); the bf16 tests run again on the FMA kernel.
 MTPX_BF16_ROWS=fma "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
+# The bf16 row kernels take their input's RMSNorm by default (kernels.h, RowNorm); again with a norm kernel first.
+MTPX_FUSED_NORMS=0 "$bin/mtpx_tests" --gtest_filter='*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 passed=$(grep -c '^\[       OK \]' "$out/gpu_tests.log" || true)
 failed=$(grep -c '^\[  FAILED  \]' "$out/gpu_tests.log" || true)
 passed=$(grep -oP '\[  PASSED  \] \K[0-9]+' "$out/gpu_tests.log" | awk '{s += $1} END {print s + 0}')
@@ -33,7 +35,7 @@ shapes="0.8B 9B 9B-q4"
 [ "$quick" = "--quick" ] && shapes="0.8B"
 for s in $shapes; do
   shape_args "$bin" "$s" || status=1
-  "$bin/bench_cuda" "${args[@]}" --context-tokens 4096 32768 --json > "$out/bench_$s.json" 2> "$out/bench_$s.err" || { status=1; cat "$out/bench_$s.err"; }
+  "$bin/bench_cuda" "${args[@]}" --context-tokens 4096 32768 --sampling-tokens 64 --json > "$out/bench_$s.json" 2> "$out/bench_$s.err" || { status=1; cat "$out/bench_$s.err"; }
 done
 
 python3 - "$out" "$passed" "$failed" $shapes <<'PY'
@@ -61,5 +63,17 @@ for s in shapes:
           f"{r.get('prefill_tok_s', 0):.0f} | {r.get('prefill_fraction_of_gemm', 0):.2f} | "
           f"{best['speedup']:.2f}x (K={best['draft']}) | "
           f"{best_vocab['speedup']:.2f}x (K={best_vocab['draft']}, {vocab.get('draft_vocab', '-')}) |")
+print("\nPlain decoding per sampler, tok/s (rows a whole-row draw fetched)")
+names = None
+for s in shapes:
+    try:
+        rows = json.load(open(os.path.join(out, f"bench_{s}.json")))["sampling"]["rows"]
+    except Exception:
+        continue
+    if names is None:
+        names = [x["sampler"] for x in rows]
+        print("| shape | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+    print(f"| {s} | " + " | ".join(f"{x['tok_s']:.1f} ({x['logit_rows_fetched']})" for x in rows) + " |")
 PY
 exit $status
