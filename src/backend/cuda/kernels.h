@@ -66,7 +66,8 @@ struct RowNorm {
 // Up to 4 products of the same x in one launch: y[i] = x W[i]^T, i < count. With `norm`: of x's rows
 // RMS-normalized, inside the products where the row kernels can (bf16 weights on tensor cores, m <= 15:
 // the sum of squares comes with the x loads, 1 / rms scales the dot products) and else by rms_norm_rows
-// into `normed` ([m, cols] of scratch) first. MTPX_FUSED_NORMS=0 always takes the second way.
+// into `normed` ([m, cols] of scratch) first. MTPX_FUSED_NORMS=0 always takes the second way. (The 4-bit
+// int8 kernel taking it too was slower: BENCHMARKS.md, session 19.)
 void matmul_group(const Matrix* w, float* const* y, int count, const float* x, int64_t m, const Workspace& ws,
                   RowNorm norm = {}, float* normed = nullptr);
 // out = silu(x gate^T) * (x up^T) in one launch (up_scratch [m, rows] is used on the prompt path); `norm`
