@@ -4,9 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <random>
 
@@ -103,6 +105,75 @@ TEST(AcceptDrafts, ResidualOfRowsSampledWhole) {
   ASSERT_EQ(r.ids.size(), positive);
   for (size_t i = 0; i < r.ids.size(); ++i)
     ASSERT_NEAR(r.probs[i], expected[static_cast<size_t>(r.ids[i])] / total, 1e-6) << r.ids[i];
+}
+
+// Rows sampled whole listed in part, as a device returns them (the top 768 ids with their share, the rest's
+// share unlisted), completed on demand: accept_drafts emits exactly what it emits from the whole rows, for
+// the same seed, and completes a row only when a draw, an accept test or the residual reaches below the top.
+TEST(AcceptDrafts, RowsListedInPartGiveTheWholeRowsOutput) {
+  std::mt19937 gen(8);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int64_t n = 6000, K = 3;
+  const SamplerParams sampler{.temperature = 1.2};
+  auto row = [&] {
+    std::vector<float> logits(static_cast<size_t>(n));
+    for (float& l : logits) l = normal(gen);
+    return logits;
+  };
+  // The top 768 (ties included) and the rest's mass, as the CUDA executor sends them.
+  auto in_part = [&](const std::vector<float>& logits) {
+    std::vector<float> sorted = logits;
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    std::vector<int32_t> ids;
+    std::vector<float> values;
+    double rest = 0;
+    for (int32_t i = 0; i < n; ++i) {
+      const float l = logits[static_cast<size_t>(i)];
+      if (l >= sorted[767]) {
+        ids.push_back(i), values.push_back(l);
+      } else {
+        rest += std::exp((static_cast<double>(l) - sorted[0]) / sampler.temperature);
+      }
+    }
+    return truncate_candidates(ids, values, sampler, rest);
+  };
+  int completed = 0, compared = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<TokenDistribution> p_whole, q_whole, p_part, q_part;
+    for (int64_t i = 0; i <= K; ++i) {
+      const std::vector<float> logits = row();
+      p_whole.push_back(truncate(logits, sampler, n));
+      p_part.push_back(in_part(logits));
+      ASSERT_GT(p_part.back().unlisted, 0.0);
+      if (i == K) break;
+      const std::vector<float> draft_logits = row();
+      q_whole.push_back(truncate(draft_logits, sampler, n));
+      q_part.push_back(in_part(draft_logits));
+    }
+    const WholeRow whole = [&](bool target, size_t i) -> const TokenDistribution& {
+      ++completed;
+      return target ? p_whole[i] : q_whole[i];
+    };
+    for (uint64_t seed = 0; seed < 50; ++seed) {
+      Rng draft_rng(seed * 31 + static_cast<uint64_t>(trial));
+      std::vector<int32_t> drafts;
+      for (const TokenDistribution& q : q_whole) drafts.push_back(sample(q, draft_rng));
+      Rng a(seed), b(seed);
+      ASSERT_EQ(accept_drafts(drafts, q_part, p_part, a, whole), accept_drafts(drafts, q_whole, p_whole, b))
+          << "trial " << trial << " seed " << seed;
+      ++compared;
+    }
+  }
+  EXPECT_GT(completed, 0);
+  EXPECT_LT(completed, compared * (2 * K + 1));  // not every row, every time
+  // A row listed in part and no way to complete it is an error, not a wrong draw.
+  Rng rng(1);
+  const std::vector<float> logits = row();
+  const TokenDistribution part = in_part(logits);
+  std::vector<int32_t> below;  // an id below the listed ones: its probability needs the whole row
+  for (int32_t i = 0; i < n && below.empty(); ++i)
+    if (part.prob(i) == 0.0f) below.push_back(i);
+  EXPECT_THROW(accept_drafts(below, std::vector{part}, std::vector{part, part}, rng), Error);
 }
 
 // The emitted first token is distributed as p whatever q is (the theorem of speculative sampling).

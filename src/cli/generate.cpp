@@ -84,12 +84,6 @@ int run_generate(const GenerateFlags& f) {
     const auto tuned = tools::tuned_decoding(dir, tools::profile_device(*model));
     options.draft = f.draft.value_or(tuned && tuned->draft > 0 ? tuned->draft : 1);
     options.draft_vocab = f.draft_vocab.value_or(tuned && tuned->draft > 0 ? tuned->draft_vocab : 0);
-    // Speculative sampling of whole rows brings each row back from a device (BENCHMARKS.md, session 19).
-    const CandidateRequest rows = candidate_request(options.sampler, model->config().vocab_size);
-    if (model->executor() != nullptr && rows.limit > 0 && rows.whole_row())
-      std::fprintf(stderr,
-                   "note: --mtp with temperature alone (no top-k, top-p or min-p) copies every drafted and "
-                   "verified row from the GPU; plain decoding may be faster\n");
   }
   options.stop_ids = gen.eos_token_ids;
   for (int32_t id : model->config().eos_token_ids) options.stop_ids.push_back(id);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <unordered_map>
 
 #include "model/mtp_head.h"
@@ -47,22 +48,37 @@ TokenDistribution residual_distribution(const TokenDistribution& p, const TokenD
 
 std::vector<int32_t> accept_drafts(std::span<const int32_t> drafts,
                                    std::span<const TokenDistribution> draft_dists,
-                                   std::span<const TokenDistribution> target_dists, Rng& rng) {
+                                   std::span<const TokenDistribution> target_dists, Rng& rng,
+                                   const WholeRow& whole) {
   if (draft_dists.size() != drafts.size() || target_dists.size() != drafts.size() + 1)
     fail(ErrorKind::kInternal, "accept_drafts: {} drafts, {} draft and {} target distributions",
          drafts.size(), draft_dists.size(), target_dists.size());
+  // Row i listed whole: as given, or completed by `whole` where it is listed in part.
+  auto listed_whole = [&](bool target, size_t i) -> const TokenDistribution& {
+    const TokenDistribution& d = target ? target_dists[i] : draft_dists[i];
+    if (d.unlisted <= 0.0) return d;
+    if (!whole) fail(ErrorKind::kInternal, "accept_drafts: a row listed in part and no way to complete it");
+    return whole(target, i);
+  };
+  auto prob = [&](bool target, size_t i, int32_t id) {
+    const TokenDistribution& d = target ? target_dists[i] : draft_dists[i];
+    const float listed = d.prob(id);
+    return listed == 0.0f && d.unlisted > 0.0 ? listed_whole(target, i).prob(id) : listed;
+  };
   std::vector<int32_t> emitted;
   for (size_t i = 0; i < drafts.size(); ++i) {
-    const double p = target_dists[i].prob(drafts[i]);
-    const double q = draft_dists[i].prob(drafts[i]);  // > 0: the draft was sampled from q
-    if (rng.uniform() * q < p) {                      // u < min(1, p/q), without dividing
-      emitted.push_back(drafts[i]);                   // accepted
+    const double p = prob(true, i, drafts[i]);
+    const double q = prob(false, i, drafts[i]);  // > 0: the draft was sampled from q
+    if (rng.uniform() * q < p) {                 // u < min(1, p/q), without dividing
+      emitted.push_back(drafts[i]);              // accepted
       continue;
     }
-    emitted.push_back(sample(residual_distribution(target_dists[i], draft_dists[i]), rng));  // recovered
-    return emitted;
+    emitted.push_back(sample(residual_distribution(listed_whole(true, i), listed_whole(false, i)), rng));
+    return emitted;  // recovered
   }
-  emitted.push_back(sample(target_dists.back(), rng));  // bonus
+  const double u = rng.uniform();  // bonus
+  const std::optional<int32_t> bonus = draw(target_dists.back(), u);
+  emitted.push_back(bonus ? *bonus : *draw(listed_whole(true, drafts.size()), u));
   return emitted;
 }
 
@@ -112,9 +128,13 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   const int64_t target_argmax = greedy ? vocab_limit : 0,
                 draft_argmax = greedy ? std::min(draft_ids, vocab_limit) : 0;
   // Sampling: a device returns each row's candidates instead of the row where they decide its truncation
-  // (the same truncation, truncate_candidates); the CPU returns the logits.
-  const CandidateRequest target_request = candidate_request(options.sampler, vocab_limit),
-                         draft_request = candidate_request(options.sampler, std::min(draft_ids, vocab_limit));
+  // (the same truncation, truncate_candidates); the CPU returns the logits. A row sampled whole (temperature
+  // alone) comes back as its top ids and the rest's mass, listed in part: the trunk's rows stay on the device
+  // until the next pass and are fetched when a draw or accept_drafts needs their rest; each head row is
+  // fetched at once (the next pass overwrites it), and listed whole only where needed.
+  const CandidateRequest target_request = candidate_request(options.sampler, vocab_limit, true),
+                         draft_request =
+                             candidate_request(options.sampler, std::min(draft_ids, vocab_limit), true);
   auto target_row = [&](const ForwardResult& r, int64_t row) {
     if (greedy) return one_hot(r.argmax[static_cast<size_t>(row)]);
     if (r.candidates.present())
@@ -140,11 +160,32 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     return static_cast<int64_t>(result.tokens.size()) < options.max_tokens;
   };
 
+  // The trunk's last pass's rows listed whole (fetched from the device on first use), and the head's.
+  ForwardResult trunk;
+  bool trunk_rows_fetched = false;
+  std::vector<std::optional<TokenDistribution>> whole_targets, whole_drafts;
+  std::vector<std::vector<float>>
+      head_rows;  // per draft position: the head's logits, for rows listed in part
+  auto whole_row = [&](bool target, size_t i) -> const TokenDistribution& {
+    std::optional<TokenDistribution>& d = target ? whole_targets[i] : whole_drafts[i];
+    if (d) return *d;
+    if (!target) return *(d = draft_distribution(head_rows[i].data()));
+    if (!trunk_rows_fetched) model.fetch_logits(state, trunk.logits);
+    trunk_rows_fetched = true;
+    return *(d = distribution(&trunk.logits[i * static_cast<size_t>(V)]));
+  };
+  // A draw from a row listed perhaps in part: the same as from the whole row (draw()).
+  auto draw_row = [&](const TokenDistribution& d, bool target, size_t i) {
+    const double u = rng.uniform();
+    const std::optional<int32_t> id = draw(d, u);
+    return id ? *id : *draw(whole_row(target, i), u);
+  };
+
   // Prefill the trunk; the first token comes from its last row, exactly as in plain decoding.
   auto t0 = Clock::now();
-  ForwardResult trunk;
   model.forward(state, prompt, LogitRows::kLast, trunk, false, target_argmax, head_logit_ids, target_request);
-  int32_t last = sample(target_row(trunk, 0), rng);
+  whole_targets.assign(1, std::nullopt);
+  int32_t last = draw_row(target_row(trunk, 0), true, 0);
   // Prefill the head over the prompt (spec §6.3): row t = (h_t, x_{t+1}) at position t, t = 0..n-1.
   MtpResult head;
   {
@@ -170,6 +211,8 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     const int64_t k = std::min(K, remaining - 1);  // never draft past max_tokens
     drafts.clear();
     draft_dists.clear();
+    whole_drafts.assign(static_cast<size_t>(k), std::nullopt);
+    head_rows.resize(static_cast<size_t>(k));
     std::vector<float> head_hidden(head.hidden.end() - H, head.hidden.end());
     for (int64_t i = 0; i < k; ++i) {
       if (i > 0) {
@@ -178,7 +221,9 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
         head_hidden.assign(head.hidden.begin(), head.hidden.end());
       }
       draft_dists.push_back(head_row(head));
-      drafts.push_back(sample(draft_dists.back(), rng));
+      if (draft_dists.back().unlisted > 0.0)
+        fetch_head_logits(model, head_state, head_rows[static_cast<size_t>(i)]);
+      drafts.push_back(draw_row(draft_dists.back(), false, static_cast<size_t>(i)));
     }
 
     if (options.draft_hook) {
@@ -195,9 +240,11 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     window.insert(window.end(), drafts.begin(), drafts.end());
     model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true, target_argmax,
                   head_logit_ids, target_request);
+    trunk_rows_fetched = false;
+    whole_targets.assign(static_cast<size_t>(k + 1), std::nullopt);
     target_dists.clear();
     for (int64_t i = 0; i <= k; ++i) target_dists.push_back(target_row(trunk, i));
-    const std::vector<int32_t> emitted = accept_drafts(drafts, draft_dists, target_dists, rng);
+    const std::vector<int32_t> emitted = accept_drafts(drafts, draft_dists, target_dists, rng, whole_row);
     const int64_t accepted = static_cast<int64_t>(emitted.size()) - 1;
 
     MtpStats& s = result.stats.mtp;

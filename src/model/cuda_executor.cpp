@@ -193,10 +193,10 @@ class CudaExecutor final : public DeviceExecutor {
   mutable int64_t scratch_generation_ = 0;
   bool use_graphs_ = true;
   mutable Buffer logits_;
-  // The sequence (CudaSequence::id) whose trunk pass computed logits_, 0 after a head pass, and its logit
-  // rows: what fetch_logits may copy.
+  // The sequence (CudaSequence::id, trunk or head) whose pass computed logits_, its logit rows and their
+  // length: what fetch_logits may copy.
   mutable int64_t logits_owner_ = 0;
-  mutable int64_t logits_rows_ = 0;
+  mutable int64_t logits_rows_ = 0, logits_vocab_ = 0;
   mutable std::atomic<int64_t> sequences_made_{0};
   mutable Buffer argmax_;                                               // int32 per logit row (greedy passes)
   mutable Buffer candidate_ids_, candidate_values_, candidate_counts_;  // [rows, kCandidateCap], [rows]
@@ -646,6 +646,7 @@ void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const
   });
   logits_owner_ = seq.id;
   logits_rows_ = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
+  logits_vocab_ = V;
   copy_out(T, rows, V, argmax_limit, sample, hidden, logits, argmax, candidates);
 }
 
@@ -653,7 +654,7 @@ void CudaExecutor::fetch_logits(const DeviceSequence& sequence, std::vector<floa
   std::lock_guard lock(mutex_);
   if (logits_owner_ != static_cast<const CudaSequence&>(sequence).id || logits_rows_ == 0)
     fail(ErrorKind::kInternal, "fetch_logits: another pass ran since this sequence's (or it had no logits)");
-  logits.resize(static_cast<size_t>(logits_rows_ * config_.vocab_size));
+  logits.resize(static_cast<size_t>(logits_rows_ * logits_vocab_));
   const size_t bytes = logits.size() * sizeof(float);
   if (staging_.bytes() < bytes) staging_ = cuda::PinnedBuffer(bytes);
   stream_.to_host(staging_.data(), logits_.data(), bytes);
@@ -689,7 +690,6 @@ void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> 
   if (!head_) invalid_input("the model has no MTP head");
   std::lock_guard lock(mutex_);
   auto& seq = static_cast<CudaSequence&>(sequence);
-  logits_owner_ = 0;  // logits_ holds the head's now
   const ModelConfig& c = config_;
   const int64_t T = static_cast<int64_t>(tokens.size()), H = c.hidden_size;
   const int64_t V = logit_ids > 0 ? std::min(logit_ids, c.vocab_size) : c.vocab_size;
@@ -709,6 +709,9 @@ void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> 
     layer_forward(head_->layer, seq, -1, &seq.kv[0], T, false);
     final_norm_and_logits(T, rows, head_->norm, V, argmax_limit, sample);
   });
+  logits_owner_ = seq.id;
+  logits_rows_ = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
+  logits_vocab_ = V;
   copy_out(T, rows, V, argmax_limit, sample, hidden_out, logits, argmax, candidates);
 }
 

@@ -115,8 +115,9 @@ class DeviceExecutor {
   // Cuts the last recorded window (of window_tokens) back to its first `keep` tokens.
   virtual void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const = 0;
   // As mtp_forward (model/mtp_head.h): logits of ids < logit_ids only (0: all), from that many lm_head rows.
-  // The [rows, V] logits of `sequence`'s last forward() (all of them, as computed), while no other pass
-  // has run since (an mtpx::Error, kInternal, otherwise): what a draw below a whole row's candidates needs.
+  // The [rows, V] logits of `sequence`'s last pass (forward() or, for a head sequence, mtp_forward(); V as
+  // that pass computed them), while no other pass has run since (an mtpx::Error, kInternal, otherwise):
+  // what a draw below a whole row's candidates needs.
   virtual void fetch_logits(const DeviceSequence& sequence, std::vector<float>& logits) const = 0;
   virtual void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
                            std::span<const int32_t> tokens, int64_t p0, LogitRows rows, int64_t logit_ids,

@@ -21,6 +21,13 @@ MtpState new_mtp_state(const Model& model, int64_t capacity) {
   return MtpState(model.config(), capacity);
 }
 
+void fetch_head_logits(const Model& model, const MtpState& state, std::vector<float>& logits) {
+  const DeviceExecutor* e = model.executor();
+  if (e == nullptr || state.device() == nullptr)
+    fail(ErrorKind::kInternal, "fetch_head_logits: the CPU's passes return their logits");
+  e->fetch_logits(*state.device(), logits);
+}
+
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
                  int64_t logit_ids, int64_t argmax_limit, CandidateRequest sample) {

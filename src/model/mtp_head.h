@@ -48,6 +48,9 @@ struct MtpResult {
 // logit_ids > 0 (a draft vocabulary): the logits of ids < logit_ids only, [rows, logit_ids], from that
 // many rows of the lm_head. argmax_limit > 0 and sample: as Model::forward's (over ids < min(logit_ids,
 // limit)).
+// As Model::fetch_logits, for the head's last pass on a device: its [rows, logit ids] logits.
+void fetch_head_logits(const Model& model, const MtpState& state, std::vector<float>& logits);
+
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
                  int64_t logit_ids = 0, int64_t argmax_limit = 0, CandidateRequest sample = {});
