@@ -160,12 +160,12 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     return static_cast<int64_t>(result.tokens.size()) < options.max_tokens;
   };
 
-  // The trunk's last pass's rows listed whole (fetched from the device on first use), and the head's.
+  // The trunk's last pass's rows listed whole (fetched from the device on first use), and the head's (from
+  // head_rows: per draft position, the head's logits of a row listed in part).
   ForwardResult trunk;
   bool trunk_rows_fetched = false;
   std::vector<std::optional<TokenDistribution>> whole_targets, whole_drafts;
-  std::vector<std::vector<float>>
-      head_rows;  // per draft position: the head's logits, for rows listed in part
+  std::vector<std::vector<float>> head_rows;
   auto whole_row = [&](bool target, size_t i) -> const TokenDistribution& {
     std::optional<TokenDistribution>& d = target ? whole_targets[i] : whole_drafts[i];
     if (d) return *d;
