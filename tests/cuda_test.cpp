@@ -201,6 +201,21 @@ TEST(Cuda, ArgmaxPassesReturnTheArgmaxOfTheirLogits) {
   }
 }
 
+// 48 sampled tokens, plain and MTP (K = 2), twice from the same seed: the same tokens.
+void expect_reproducible_sampling(const Model& gpu, std::span<const int32_t> prompt,
+                                  const SamplerParams& sampler, uint64_t seed) {
+  for (int64_t draft : {0, 2}) {
+    GenerateOptions o;
+    o.max_tokens = 48;
+    o.sampler = sampler;
+    o.seed = seed;
+    o.draft = draft;
+    const GenerateResult first = generate(gpu, prompt, o), second = generate(gpu, prompt, o);
+    EXPECT_GT(first.tokens.size(), 10u) << "draft " << draft;
+    EXPECT_EQ(first.tokens, second.tokens) << "draft " << draft;
+  }
+}
+
 // Sampling with top-k on the GPU: passes bring back each row's survivors of top-k, and the sampler's
 // truncation of them is its truncation of the full row from a pass without the request, to the bit, for
 // the trunk's rows and the head's (a draft vocabulary's limit included). A k the GPU does not serve brings
@@ -253,16 +268,7 @@ TEST(Cuda, TopKPassesReturnTheSurvivorsAndSampleAsTheFullRows) {
   }
   // The survivors come back in the order the GPU's threads found them: sampled generations (plain and
   // MTP, K = 2) must not depend on it, so the same seed gives the same tokens.
-  for (int64_t draft : {0, 2}) {
-    GenerateOptions o;
-    o.max_tokens = 48;
-    o.sampler = sampler;
-    o.seed = 5;
-    o.draft = draft;
-    const GenerateResult first = generate(*gpu, prompt, o), second = generate(*gpu, prompt, o);
-    EXPECT_GT(first.tokens.size(), 10u) << "draft " << draft;
-    EXPECT_EQ(first.tokens, second.tokens) << "draft " << draft;
-  }
+  expect_reproducible_sampling(*gpu, prompt, sampler, 5);
 }
 
 // Sampling with top-p or min-p and no top-k on the GPU: passes bring back the rows' top candidates with
@@ -329,16 +335,7 @@ TEST(Cuda, TopPAndMinPPassesReturnCandidatesThatDecideTheRows) {
   }
   EXPECT_GT(decided_rows, 24);  // most passes are decided by their candidates
   EXPECT_GT(whole_passes, 0);   // T 1.5 with top-p 0.999 reaches past them
-  for (int64_t draft : {0, 2}) {
-    GenerateOptions o;
-    o.max_tokens = 48;
-    o.sampler = {.temperature = 0.8, .top_p = 0.9};
-    o.seed = 9;
-    o.draft = draft;
-    const GenerateResult first = generate(*gpu, prompt, o), second = generate(*gpu, prompt, o);
-    EXPECT_GT(first.tokens.size(), 10u) << "draft " << draft;
-    EXPECT_EQ(first.tokens, second.tokens) << "draft " << draft;
-  }
+  expect_reproducible_sampling(*gpu, prompt, {.temperature = 0.8, .top_p = 0.9}, 9);
 }
 
 // Temperature alone samples the whole row: with rows_on_request a pass returns each row's top ids (at or

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <optional>
 
 #include "decode/speculative.h"
 #include "util/error.h"
@@ -39,17 +38,15 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
   model.forward(state, prompt, LogitRows::kLast, forward, false, argmax_limit, 0, sample_request);
   auto next = [&]() {
     if (argmax_limit > 0) return sample(one_hot(forward.argmax[0]), rng);
-    if (forward.candidates.present()) {
-      const double u = rng.uniform();
-      const std::optional<int32_t> id =
-          draw(truncate_candidates(forward.candidates.row_ids(0), forward.candidates.row_logits(0),
-                                   options.sampler, forward.candidates.row_rest_mass(0)),
-               u);
-      if (id) return *id;
-      ++result.stats.logit_rows_fetched;
-      model.fetch_logits(state, forward.logits);
-      return *draw(truncate(forward.logits, options.sampler, vocab_limit), u);
-    }
+    if (forward.candidates.present())
+      return draw_or_whole(
+          truncate_candidates(forward.candidates.row_ids(0), forward.candidates.row_logits(0),
+                              options.sampler, forward.candidates.row_rest_mass(0)),
+          rng.uniform(), [&] {
+            ++result.stats.logit_rows_fetched;
+            model.fetch_logits(state, forward.logits);
+            return truncate(forward.logits, options.sampler, vocab_limit);
+          });
     return sample(truncate(forward.logits, options.sampler, vocab_limit), rng);
   };
   int32_t token = next();

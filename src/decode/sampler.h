@@ -94,6 +94,15 @@ class Rng {
 // row only when it lands below its top ids is exact.
 std::optional<int32_t> draw(const TokenDistribution& distribution, double u);
 
+// draw() from a row perhaps listed in part, with `whole()` (the row listed whole, a TokenDistribution)
+// asked for only when u lands below the listed ids.
+template <typename Whole>
+int32_t draw_or_whole(const TokenDistribution& distribution, double u, Whole&& whole) {
+  if (const std::optional<int32_t> id = draw(distribution, u)) return *id;
+  const TokenDistribution& listed_whole = whole();
+  return *draw(listed_whole, u);
+}
+
 // Draws one id from a fully listed distribution (draw() at a uniform u).
 int32_t sample(const TokenDistribution& distribution, Rng& rng);
 

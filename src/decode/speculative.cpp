@@ -76,9 +76,9 @@ std::vector<int32_t> accept_drafts(std::span<const int32_t> drafts,
     emitted.push_back(sample(residual_distribution(listed_whole(true, i), listed_whole(false, i)), rng));
     return emitted;  // recovered
   }
-  const double u = rng.uniform();  // bonus
-  const std::optional<int32_t> bonus = draw(target_dists.back(), u);
-  emitted.push_back(bonus ? *bonus : *draw(listed_whole(true, drafts.size()), u));
+  emitted.push_back(draw_or_whole(target_dists.back(), rng.uniform(), [&]() -> const TokenDistribution& {
+    return listed_whole(true, drafts.size());
+  }));  // bonus
   return emitted;
 }
 
@@ -176,9 +176,8 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   };
   // A draw from a row listed perhaps in part: the same as from the whole row (draw()).
   auto draw_row = [&](const TokenDistribution& d, bool target, size_t i) {
-    const double u = rng.uniform();
-    const std::optional<int32_t> id = draw(d, u);
-    return id ? *id : *draw(whole_row(target, i), u);
+    return draw_or_whole(d, rng.uniform(),
+                         [&]() -> const TokenDistribution& { return whole_row(target, i); });
   };
 
   // Prefill the trunk; the first token comes from its last row, exactly as in plain decoding.

@@ -126,6 +126,18 @@ class CudaExecutor final : public DeviceExecutor {
   void copy_out(int64_t t_count, LogitRows rows, int64_t vocab, int64_t argmax_limit,
                 const CandidateRequest& sample, std::vector<float>& hidden, std::vector<float>& logits,
                 std::vector<int32_t>& argmax, LogitCandidates& candidates) const;
+  // The first `count` floats of logits_ into `logits`, through the staging buffer.
+  void logits_to_host(int64_t count, std::vector<float>& logits) const;
+  // Logit rows of a pass of t_count tokens.
+  static int64_t logit_rows(LogitRows rows, int64_t t_count) {
+    return rows == LogitRows::kAll ? t_count : rows == LogitRows::kLast ? 1 : 0;
+  }
+  // After a pass of `seq`: logits_ holds its logits (fetch_logits).
+  void note_logits_owner(const CudaSequence& seq, LogitRows rows, int64_t t_count, int64_t vocab) const {
+    logits_owner_ = seq.id;
+    logits_rows_ = logit_rows(rows, t_count);
+    logits_vocab_ = vocab;
+  }
   // What the kernels compute for a sampling request (cuda::topk_candidates): the ids at or above the k-th
   // largest logit below `limit`, and with inv_temperature > 0 the masses.
   struct ServedRequest {
@@ -484,7 +496,7 @@ void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float*
   const Scratch& s = scratch_;
   cuda::rms_norm_rows(s.x.as<float>(), H, norm, static_cast<float>(c.rms_norm_eps), T, H,
                       s.hidden.as<float>(), H, stream_.handle());
-  const int64_t n_rows = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
+  const int64_t n_rows = logit_rows(rows, T);
   if (n_rows > 0) {
     if (static_cast<size_t>(n_rows * V) * sizeof(float) > logits_.bytes()) {  // never while capturing: T < 16
       stream_.synchronize();
@@ -513,7 +525,7 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
                             std::vector<float>& logits, std::vector<int32_t>& argmax,
                             LogitCandidates& candidates) const {
   const int64_t H = config_.hidden_size;
-  const int64_t n_rows = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
+  const int64_t n_rows = logit_rows(rows, T);
   hidden.resize(static_cast<size_t>(T * H));
   candidates = {};
   // Greedy passes bring back one id per row instead of V floats (1 MB per row at Qwen's vocabulary), and
@@ -581,15 +593,7 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
     whole_rows = !sample.decided_by(masses[static_cast<size_t>(2 * r)],
                                     masses[static_cast<size_t>(2 * r + 1)], lowest_weight);
   }
-  if (whole_rows) {  // the rows' logits after all (they are still on the device)
-    logits.resize(static_cast<size_t>(n_rows * V));
-    if (staging_.bytes() < logits.size() * sizeof(float))
-      staging_ = cuda::PinnedBuffer(logits.size() * sizeof(float));
-    stream_.to_host(staging_.data(), logits_.data(), logits.size() * sizeof(float));
-    stream_.synchronize();
-    std::memcpy(logits.data(), staging_.data(), logits.size() * sizeof(float));
-    return;
-  }
+  if (whole_rows) return logits_to_host(n_rows * V, logits);  // after all (they are still on the device)
   candidates.offsets.assign(1, 0);
   for (int64_t r = 0; r < n_rows; ++r) {
     const int32_t c = counts[static_cast<size_t>(r)];
@@ -644,9 +648,7 @@ void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const
       layer_forward(layers_[li], seq, static_cast<int64_t>(li), &seq.kv[li], T, record_window);
     final_norm_and_logits(T, rows, final_norm_, V, argmax_limit, sample);
   });
-  logits_owner_ = seq.id;
-  logits_rows_ = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
-  logits_vocab_ = V;
+  note_logits_owner(seq, rows, T, V);
   copy_out(T, rows, V, argmax_limit, sample, hidden, logits, argmax, candidates);
 }
 
@@ -654,7 +656,11 @@ void CudaExecutor::fetch_logits(const DeviceSequence& sequence, std::vector<floa
   std::lock_guard lock(mutex_);
   if (logits_owner_ != static_cast<const CudaSequence&>(sequence).id || logits_rows_ == 0)
     fail(ErrorKind::kInternal, "fetch_logits: another pass ran since this sequence's (or it had no logits)");
-  logits.resize(static_cast<size_t>(logits_rows_ * logits_vocab_));
+  logits_to_host(logits_rows_ * logits_vocab_, logits);
+}
+
+void CudaExecutor::logits_to_host(int64_t count, std::vector<float>& logits) const {
+  logits.resize(static_cast<size_t>(count));
   const size_t bytes = logits.size() * sizeof(float);
   if (staging_.bytes() < bytes) staging_ = cuda::PinnedBuffer(bytes);
   stream_.to_host(staging_.data(), logits_.data(), bytes);
@@ -709,9 +715,7 @@ void CudaExecutor::mtp_forward(DeviceSequence& sequence, std::span<const float> 
     layer_forward(head_->layer, seq, -1, &seq.kv[0], T, false);
     final_norm_and_logits(T, rows, head_->norm, V, argmax_limit, sample);
   });
-  logits_owner_ = seq.id;
-  logits_rows_ = rows == LogitRows::kAll ? T : rows == LogitRows::kLast ? 1 : 0;
-  logits_vocab_ = V;
+  note_logits_owner(seq, rows, T, V);
   copy_out(T, rows, V, argmax_limit, sample, hidden_out, logits, argmax, candidates);
 }
 

@@ -415,6 +415,15 @@ __global__ void gemv_rows_scalar(const GemvGroup<W> g, const float* __restrict__
   }
 }
 
+// Whether bf16 products of `cols` columns, these weights (their first `count`) and x of m rows run on
+// bf16_tile_rows: what launch_gemv decides by, and tiles_take_norm too (a norm goes only into that kernel).
+bool bf16_tiles_run(int64_t cols, const float* x, int64_t m, const void* const* weights, int count) {
+  bool run =
+      bf16_tensor_rows() && m <= 2 * 8 && cols % kTileK == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  for (int i = 0; i < count; ++i) run &= reinterpret_cast<uintptr_t>(weights[i]) % 16 == 0;
+  return run;
+}
+
 template <typename W, int MODE>
 void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
   bool aligned = g.cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
@@ -424,9 +433,12 @@ void launch_gemv(GemvGroup<W> g, const float* x, int64_t m, cudaStream_t s) {
   for (int i = 0; i < g.count; ++i) total_rows += g.rows[i];
   g.prefetch_bytes = prefetch_bytes_per_row(MODE == kSwiglu ? 2 * total_rows : total_rows,
                                             static_cast<int64_t>(g.cols) * sizeof(W));
-  if constexpr (std::is_same_v<W, __nv_bfloat16>)
-    if (aligned && g.cols % kTileK == 0 && m <= 2 * 8 && bf16_tensor_rows())
+  if constexpr (std::is_same_v<W, __nv_bfloat16>) {
+    const void* weights[kMaxGroup];
+    for (int i = 0; i < kMaxGroup; ++i) weights[i] = g.w[i];
+    if (bf16_tiles_run(g.cols, x, m, weights, MODE == kSwiglu ? 2 : g.count))
       return launch_bf16_tiles<MODE>(g, x, m, s);
+  }
   if (g.norm_weight != nullptr) fail(ErrorKind::kInternal, "gemv: a norm outside the bf16 tile kernel");
   // Enough warps to keep every SM streaming: 2 rows per warp below 8192 rows (which rows share a warp
   // changes no row's arithmetic, so this choice keeps batch invariance).
@@ -1850,15 +1862,16 @@ void matmul(const Matrix& w, const float* x, int64_t m, float* y, bool accumulat
     row_kernels<kStore>(&w, 1, x, m, ys, s);
 }
 
-// Whether bf16_tile_rows runs these products of m rows and can take their input's RMSNorm (the
-// condition launch_gemv picks that kernel by, for every matrix of the group).
+// Whether the row kernels of these products of m rows take their input's RMSNorm: bf16 weights of one
+// width on bf16_tile_rows.
 bool tiles_take_norm(const Matrix* w, int count, const float* x, int64_t m) {
-  bool take = count > 0 && fused_row_norms() && bf16_tensor_rows() && m > 0 && m <= 2 * 8 &&
-              m < kGemmMinRows && reinterpret_cast<uintptr_t>(x) % 16 == 0 && w[0].cols % kTileK == 0;
-  for (int i = 0; i < count; ++i)
-    take &= w[i].type == Dtype::kBF16 && w[i].cols == w[0].cols &&
-            reinterpret_cast<uintptr_t>(w[i].data) % 16 == 0;
-  return take;
+  if (count < 1 || count > kMaxGroup || !fused_row_norms() || m < 1 || m >= kGemmMinRows) return false;
+  const void* weights[kMaxGroup];
+  for (int i = 0; i < count; ++i) {
+    if (w[i].type != Dtype::kBF16 || w[i].cols != w[0].cols) return false;
+    weights[i] = w[i].data;
+  }
+  return bf16_tiles_run(w[0].cols, x, m, weights, count);
 }
 
 // x normalized into `normed` where the products cannot take the norm (then x is `normed`).
