@@ -265,8 +265,8 @@ int main(int argc, char** argv) {
             {"acceptance", acceptance}, {"draft_vocab", draft_vocab}, {"rows", vocab_rows}};
     }
 
-    // Plain decoding with each sampler, side by side in the same runs: what sampling costs over greedy
-    // (candidates on the device; a row sampled whole fetched only for draws below its top ids).
+    // Decoding with each sampler, side by side in the same runs: what sampling costs over greedy (candidates
+    // on the device; a row sampled whole drawn below its top ids there), and MTP at temperature alone.
     if (sampling_tokens > 0) {
       tools::BenchProtocol p;
       p.prompts = {ids(32, 5)};
@@ -276,12 +276,16 @@ int main(int argc, char** argv) {
           {"greedy", SamplerParams{.temperature = 0.0}},
           {"T 0.8, top-k 20", SamplerParams{.temperature = 0.8, .top_k = 20}},
           {"T 0.8, top-p 0.95", SamplerParams{.temperature = 0.8, .top_p = 0.95}},
-          {"T 1", SamplerParams{.temperature = 1.0}}};
+          {"T 1", SamplerParams{.temperature = 1.0}},
+          {"T 1, MTP K 2", SamplerParams{.temperature = 1.0}, 2}};
       nlohmann::json rows = nlohmann::json::array();
       for (const auto& res : tools::run_bench(*model, p, cases))
         rows.push_back({{"sampler", res.spec.sampler_name},
                         {"tok_s", res.median_tok_s},
-                        {"logit_rows_fetched", res.logit_rows_fetched}});
+                        {"draws_below", res.draws_below},
+                        {"logit_rows_fetched", res.logit_rows_fetched},
+                        {"logit_values_fetched", res.logit_values_fetched},
+                        {"acceptance", res.mtp.acceptance()}});
       report["sampling"] = {{"tokens", sampling_tokens}, {"rows", rows}};
     }
 

@@ -63,7 +63,7 @@ for s in shapes:
           f"{r.get('prefill_tok_s', 0):.0f} | {r.get('prefill_fraction_of_gemm', 0):.2f} | "
           f"{best['speedup']:.2f}x (K={best['draft']}) | "
           f"{best_vocab['speedup']:.2f}x (K={best_vocab['draft']}, {vocab.get('draft_vocab', '-')}) |")
-print("\nPlain decoding per sampler, tok/s (rows a whole-row draw fetched)")
+print("\nDecoding per sampler, tok/s (draws below the top ids / rows fetched whole / single logits fetched; MTP: acceptance)")
 names = None
 for s in shapes:
     try:
@@ -74,6 +74,10 @@ for s in shapes:
         names = [x["sampler"] for x in rows]
         print("| shape | " + " | ".join(names) + " |")
         print("|---|" + "---|" * len(names))
-    print(f"| {s} | " + " | ".join(f"{x['tok_s']:.1f} ({x['logit_rows_fetched']})" for x in rows) + " |")
+    def cell(x):
+        extra = f"; {x['acceptance']:.2f}" if "MTP" in x["sampler"] else ""
+        return (f"{x['tok_s']:.1f} ({x.get('draws_below', 0)} / {x['logit_rows_fetched']} / "
+                f"{x.get('logit_values_fetched', 0)}{extra})")
+    print(f"| {s} | " + " | ".join(cell(x) for x in rows) + " |")
 PY
 exit $status

@@ -27,6 +27,7 @@
 #include "model/mtp_head.h"
 #include "model/qwen35.h"
 #include "test_paths.h"
+#include "test_util.h"
 #include "tools/checkpoint.h"
 #include "tools/quantize.h"
 #include "util/bf16.h"
@@ -339,9 +340,10 @@ TEST(Cuda, TopPAndMinPPassesReturnCandidatesThatDecideTheRows) {
 }
 
 // Temperature alone samples the whole row: with rows_on_request a pass returns each row's top ids (at or
-// above the 768th largest) and the rest's mass, and keeps the logits for Model::fetch_logits until another
-// pass runs. Drawing from the top ids gives the row's own draw or asks for the row; generate() fetches a
-// row only for those draws, and its tokens are those of a loop that samples every whole row (same seed).
+// above the 768th largest) and the rest's mass, and keeps the logits on the device until another pass
+// runs: Model::fetch_logits copies a row or some of its ids, Model::draw_below draws below the top ids as
+// the host's reference does from the copied row. Drawing from the top ids gives the row's own draw or lands
+// below them; generate()'s tokens are those of a host loop over the copied rows (same seed), and copy no row.
 TEST(Cuda, RowsSampledWholeReturnTheirTopIdsAndTheRowOnRequest) {
   MTPX_GPU_MODEL(gpu, kDefaultModel);
   const int64_t V = gpu->config().vocab_size;
@@ -391,42 +393,146 @@ TEST(Cuda, RowsSampledWholeReturnTheirTopIdsAndTheRowOnRequest) {
             ASSERT_EQ(top_ids.count(*from_row), 0u) << where << " row " << r << " u " << u;
         }
       }
+      // Each row as computed, whole or a few of its ids, and draws below its top ids at weights spread over
+      // the rest's mass (and past it: the last id below); not after another pass.
       std::vector<float> fetched;
-      gpu->fetch_logits(b, fetched);
-      EXPECT_EQ(fetched, full.logits) << where;  // the rows as computed
+      for (size_t r = 0; r < prompt.size(); ++r) {
+        const auto row_at = full.logits.begin() + static_cast<std::ptrdiff_t>(r * static_cast<size_t>(V));
+        const TokenDistribution top =
+            truncate_candidates(got.candidates.row_ids(static_cast<int64_t>(r)),
+                                got.candidates.row_logits(static_cast<int64_t>(r)), sampler,
+                                got.candidates.row_rest_mass(static_cast<int64_t>(r)));
+        const std::vector<float> row(row_at, row_at + V);
+        for (double f : {0.0, 0.001, 0.25, 0.5, 0.77, 0.999999, 1.5}) {
+          BelowDraw at = below_draw(top, 1.0 - top.unlisted * (1.0 - f));
+          at.limit = limit;
+          at.weight = f * got.candidates.row_rest_mass(static_cast<int64_t>(r));
+          EXPECT_EQ(gpu->draw_below(b, static_cast<int64_t>(r), at),
+                    testing_util::draw_below_reference(row, at))
+              << where << " row " << r << " at " << f << " of the rest";
+        }
+        gpu->fetch_logits(b, static_cast<int64_t>(r), {}, fetched);
+        EXPECT_TRUE(std::equal(fetched.begin(), fetched.end(), row_at, row_at + V)) << where << " row " << r;
+        EXPECT_EQ(fetched.size(), static_cast<size_t>(V));
+        const std::vector<int32_t> some = {static_cast<int32_t>(V - 1), 0, 7};
+        gpu->fetch_logits(b, static_cast<int64_t>(r), some, fetched);
+        ASSERT_EQ(fetched.size(), 3u);
+        for (size_t i = 0; i < some.size(); ++i) EXPECT_EQ(fetched[i], row_at[some[i]]) << where;
+      }
+      EXPECT_THROW(gpu->fetch_logits(b, static_cast<int64_t>(prompt.size()), {}, fetched), Error);
       InferenceState c = gpu->new_state(8);
       gpu->forward(c, prompt, LogitRows::kLast, full);
-      EXPECT_THROW(gpu->fetch_logits(b, fetched), Error) << where;  // another pass ran since
+      EXPECT_THROW(gpu->fetch_logits(b, 0, {}, fetched), Error) << where;  // another pass ran since
     }
   }
   GenerateOptions o;
   o.max_tokens = 48;
   o.sampler = {.temperature = 1.0};
   o.seed = 11;
-  const GenerateResult generated = generate(*gpu, prompt, o);
-  ASSERT_EQ(generated.tokens.size(), 48u);
-  EXPECT_LT(generated.stats.logit_rows_fetched, 48);
-  // The same draws from every whole row.
-  InferenceState state = gpu->new_state(64);
-  Rng rng(o.seed);
-  ForwardResult pass;
-  std::vector<int32_t> tokens;
-  gpu->forward(state, prompt, LogitRows::kLast, pass);
-  while (tokens.size() < 48) {
-    tokens.push_back(sample(truncate(pass.logits, o.sampler, V), rng));
-    gpu->forward(state, std::span<const int32_t>(&tokens.back(), 1), LogitRows::kLast, pass);
+  for (double t : {1.0, 2.0}) {
+    o.sampler.temperature = t;
+    const GenerateResult generated = generate(*gpu, prompt, o);
+    ASSERT_EQ(generated.tokens.size(), 48u);
+    EXPECT_EQ(generated.stats.logit_rows_fetched, 0);
+    // The same draws on the host from every row copied: its top ids, else below them in id order.
+    InferenceState state = gpu->new_state(64);
+    Rng rng(o.seed);
+    ForwardResult pass;
+    std::vector<int32_t> tokens;
+    gpu->forward(state, prompt, LogitRows::kLast, pass);
+    while (tokens.size() < 48) {
+      std::vector<float> sorted = pass.logits;
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      std::vector<int32_t> ids;
+      std::vector<float> values;
+      double rest = 0.0;
+      for (int32_t i = 0; i < V; ++i) {
+        const float l = pass.logits[static_cast<size_t>(i)];
+        if (l >= sorted[767])
+          ids.push_back(i), values.push_back(l);
+        else
+          rest += std::exp((static_cast<double>(l) - sorted[0]) / t);
+      }
+      const TokenDistribution top = truncate_candidates(ids, values, o.sampler, rest);
+      const double u = rng.uniform();
+      std::optional<int32_t> id = draw(top, u);
+      if (!id) {
+        BelowDraw at = below_draw(top, u);
+        at.limit = V;
+        id = testing_util::draw_below_reference(pass.logits, at);
+      }
+      tokens.push_back(*id);
+      gpu->forward(state, std::span<const int32_t>(&tokens.back(), 1), LogitRows::kLast, pass);
+    }
+    EXPECT_EQ(generated.tokens, tokens) << "T " << t;
+    std::printf("temperature %.1f on the GPU: %lld of 48 draws landed below the top ids\n", t,
+                static_cast<long long>(generated.stats.draws_below));
+    if (t > 1.5) {
+      EXPECT_GT(generated.stats.draws_below, 0);
+    }
   }
-  EXPECT_EQ(generated.tokens, tokens);
-  std::printf("temperature 1 on the GPU: %lld of 48 draws fetched their row\n",
-              static_cast<long long>(generated.stats.logit_rows_fetched));
-  // Speculative decoding from rows listed in part (accept_drafts' test shows it emits what the whole rows
-  // give): reproducible, and the trained head's drafts are accepted as often as with top-k sampling.
+  o.sampler.temperature = 1.0;
+  // The head's rows kept in slots on the device, each as its pass computed it, across later passes.
+  {
+    const int64_t H = gpu->config().hidden_size, draft_ids = V / 2;
+    InferenceState s = gpu->new_state(8);
+    ForwardResult trunk;
+    gpu->forward(s, prompt, LogitRows::kAll, trunk);
+    const std::vector<int32_t> next(prompt.begin() + 1, prompt.end());
+    const std::span<const float> hidden(trunk.hidden.data(), next.size() * static_cast<size_t>(H));
+    MtpState plain_head = new_mtp_state(*gpu, 8), kept_head = new_mtp_state(*gpu, 8);
+    std::vector<std::vector<float>> want;
+    for (int64_t slot = 0; slot < 3; ++slot) {
+      const int64_t logit_ids = slot == 1 ? draft_ids : 0;
+      MtpResult plain_result, kept_result;
+      const std::span<const int32_t> head_token(next.data() + slot, 1);
+      const std::span<const float> h(hidden.data() + slot * H, static_cast<size_t>(H));
+      mtp_forward(*gpu, plain_head, h, head_token, slot, LogitRows::kLast, plain_result, logit_ids);
+      mtp_forward(*gpu, kept_head, h, head_token, slot, LogitRows::kLast, kept_result, logit_ids, 0,
+                  candidate_request(SamplerParams{.temperature = 1.0}, logit_ids > 0 ? logit_ids : V, true));
+      ASSERT_TRUE(kept_result.candidates.present());
+      keep_head_logits(*gpu, kept_head, slot);
+      want.push_back(plain_result.logits);
+    }
+    gpu->forward(s, std::span<const int32_t>(prompt.data(), 1), LogitRows::kLast, trunk);  // another pass
+    std::vector<float> fetched;
+    for (int64_t slot = 0; slot < 3; ++slot) {
+      fetch_head_logits(*gpu, kept_head, slot, {}, fetched);
+      EXPECT_EQ(fetched, want[static_cast<size_t>(slot)]) << "slot " << slot;
+      const std::vector<int32_t> one = {5};
+      fetch_head_logits(*gpu, kept_head, slot, one, fetched);
+      EXPECT_EQ(fetched, std::vector<float>{want[static_cast<size_t>(slot)][5]}) << "slot " << slot;
+    }
+    for (int64_t slot = 0; slot < 3; ++slot) {  // a draw below the top of a kept row: the host's
+      const BelowDraw at{.limit = static_cast<int64_t>(want[static_cast<size_t>(slot)].size()),
+                         .below = 1.0f,
+                         .inv_temperature = 1.0,
+                         .max_scaled = 2.0,
+                         .weight = 3.0};
+      EXPECT_EQ(draw_below_head(*gpu, kept_head, slot, at),
+                testing_util::draw_below_reference(want[static_cast<size_t>(slot)], at))
+          << "slot " << slot;
+    }
+    EXPECT_THROW(fetch_head_logits(*gpu, kept_head, 3, {}, fetched), Error);  // nothing kept there
+    EXPECT_THROW(keep_head_logits(*gpu, kept_head, 0), Error);                // another pass ran since
+  }
+  // Speculative decoding from rows listed in part (accept_drafts' tests show they give the whole rows'
+  // law): reproducible, the trained head's drafts accepted as often as with top-k sampling, and few rows
+  // fetched whole (a draw below the top ids, or a residual whose proposals gave up).
   for (int64_t draft : {1, 3}) {
     GenerateOptions spec = o;
     spec.draft = draft;
     const GenerateResult first = generate(*gpu, prompt, spec), second = generate(*gpu, prompt, spec);
     EXPECT_EQ(first.tokens, second.tokens) << "K=" << draft;
     EXPECT_EQ(first.tokens.size(), 48u) << "K=" << draft;
+    EXPECT_LT(first.stats.logit_rows_fetched, first.stats.mtp.steps) << "K=" << draft;
+    std::printf(
+        "temperature 1, K=%lld: %lld steps, %lld draws below the top, %lld rows fetched whole, %lld "
+        "single logits\n",
+        static_cast<long long>(draft), static_cast<long long>(first.stats.mtp.steps),
+        static_cast<long long>(first.stats.draws_below),
+        static_cast<long long>(first.stats.logit_rows_fetched),
+        static_cast<long long>(first.stats.logit_values_fetched));
     GenerateOptions top_k = spec;
     top_k.sampler.top_k = 40;
     const double with_top_k = generate(*gpu, prompt, top_k).stats.mtp.acceptance();

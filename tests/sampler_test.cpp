@@ -11,6 +11,7 @@
 #include <set>
 #include <vector>
 
+#include "test_util.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -323,7 +324,9 @@ TEST(Sampler, LongRowsWithoutTopKAreTheBruteForcesDistribution) {
 
 // A device's top ids of a row sampled whole (temperature alone), with the rest's mass: draw() gives the
 // row's own draw at every u below their share and asks for the row (nullopt) at every u above it, where
-// the row's draw is one of the ids below them. sample() refuses the part.
+// the row's draw is one of the ids below them; there below_draw() points a draw in id order below the top
+// (a device's draw_below, here on the host) at the id the row listed as its top ids, then the others in
+// id order, has at u. sample() refuses the part.
 TEST(Sampler, DrawsBelowADevicesTopIdsAreTheRowsDraws) {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 2.0f);
@@ -344,6 +347,20 @@ TEST(Sampler, DrawsBelowADevicesTopIdsAreTheRowsDraws) {
       ASSERT_EQ(top.ids.size(), ids.size());
       ASSERT_GT(top.unlisted, 1e-4) << "T " << t;
       const std::set<int32_t> top_ids(ids.begin(), ids.end());
+      // The row listed as its top ids (highest first, ties by id), then the others in id order, with the
+      // cumulative weights: the inverse CDF a draw below the top follows.
+      std::vector<int32_t> listed(ids.begin(), ids.end());
+      std::sort(listed.begin(), listed.end(), [&](int32_t a, int32_t b) {
+        const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
+        return la > lb || (la == lb && a < b);
+      });
+      for (int32_t i = 0; i < n; ++i)
+        if (top_ids.count(i) == 0) listed.push_back(i);
+      std::vector<double> cumulative;
+      double total = 0;
+      for (int32_t id : listed)
+        cumulative.push_back(
+            total += std::exp((static_cast<double>(logits[static_cast<size_t>(id)]) - sorted[0]) / t));
       int below = 0;
       const int draws = 20000;
       for (int i = 0; i < draws; ++i) {
@@ -355,6 +372,19 @@ TEST(Sampler, DrawsBelowADevicesTopIdsAreTheRowsDraws) {
         } else {
           ASSERT_EQ(top_ids.count(*from_row), 0u) << "u " << u << " T " << t;
           ++below;
+          BelowDraw at = below_draw(top, u);
+          at.limit = n;
+          const size_t k = static_cast<size_t>(
+              std::upper_bound(cumulative.begin(), cumulative.end(), u * total) - cumulative.begin());
+          const double start = k == 0 ? 0.0 : cumulative[k - 1] / total, end = cumulative[k] / total;
+          // The listed probabilities are floats, so their sum may put a u within 1e-7 of a boundary on
+          // either side of it.
+          const int32_t got = testing_util::draw_below_reference(logits, at);
+          const bool neighbour = (u - start < 1e-7 && k > 0 && got == listed[k - 1]) ||
+                                 (end - u < 1e-7 && k + 1 < listed.size() && got == listed[k + 1]);
+          ASSERT_TRUE(got == listed[k] || neighbour)
+              << "u " << u << " T " << t << ": " << got << " for " << listed[k] << ", from the boundaries "
+              << u - start << ", " << end - u;
         }
       }
       EXPECT_NEAR(below, top.unlisted * draws, 1.0) << "T " << t;

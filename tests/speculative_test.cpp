@@ -15,6 +15,7 @@
 #include "decode/generate.h"
 #include "model/qwen35.h"
 #include "test_paths.h"
+#include "test_util.h"
 #include "util/error.h"
 
 namespace mtpx {
@@ -107,21 +108,12 @@ TEST(AcceptDrafts, ResidualOfRowsSampledWhole) {
     ASSERT_NEAR(r.probs[i], expected[static_cast<size_t>(r.ids[i])] / total, 1e-6) << r.ids[i];
 }
 
-// Rows sampled whole listed in part, as a device returns them (the top 768 ids with their share, the rest's
-// share unlisted), completed on demand: accept_drafts emits exactly what it emits from the whole rows, for
-// the same seed, and completes a row only when a draw, an accept test or the residual reaches below the top.
-TEST(AcceptDrafts, RowsListedInPartGiveTheWholeRowsOutput) {
-  std::mt19937 gen(8);
-  std::normal_distribution<float> normal(0.0f, 2.0f);
-  const int64_t n = 6000, K = 3;
-  const SamplerParams sampler{.temperature = 1.2};
-  auto row = [&] {
-    std::vector<float> logits(static_cast<size_t>(n));
-    for (float& l : logits) l = normal(gen);
-    return logits;
-  };
-  // The top 768 (ties included) and the rest's mass, as the CUDA executor sends them.
-  auto in_part = [&](const std::vector<float>& logits) {
+// Rows sampled whole listed in part, as a device returns them: the top `top` ids (ties included) with their
+// share and the rest's share unlisted; `below` reaches under them from the rows' logits.
+struct RowsInPart {
+  int64_t n = 0, top = 0;
+  SamplerParams sampler;
+  TokenDistribution in_part(const std::vector<float>& logits) const {
     std::vector<float> sorted = logits;
     std::sort(sorted.begin(), sorted.end(), std::greater<>());
     std::vector<int32_t> ids;
@@ -129,29 +121,49 @@ TEST(AcceptDrafts, RowsListedInPartGiveTheWholeRowsOutput) {
     double rest = 0;
     for (int32_t i = 0; i < n; ++i) {
       const float l = logits[static_cast<size_t>(i)];
-      if (l >= sorted[767]) {
+      if (l >= sorted[static_cast<size_t>(top - 1)]) {
         ids.push_back(i), values.push_back(l);
       } else {
         rest += std::exp((static_cast<double>(l) - sorted[0]) / sampler.temperature);
       }
     }
     return truncate_candidates(ids, values, sampler, rest);
+  }
+};
+
+// accept_drafts on rows listed in part accepts and rejects as on the whole rows, for the same seed (one
+// id's probability from its logit is the whole row's), and emits the same bonus; a row listed in part with
+// no way below its ids is an error, not a wrong draw.
+TEST(AcceptDrafts, RowsListedInPartAcceptAsTheWholeRows) {
+  std::mt19937 gen(8);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int64_t K = 3;
+  const RowsInPart part{.n = 6000, .top = 768, .sampler = {.temperature = 1.2}};
+  auto row = [&] {
+    std::vector<float> logits(static_cast<size_t>(part.n));
+    for (float& l : logits) l = normal(gen);
+    return logits;
   };
-  int completed = 0, compared = 0;
+  int rejected = 0, all_accepted = 0, logits_read = 0;
   for (int trial = 0; trial < 40; ++trial) {
+    std::vector<std::vector<float>> p_logits, q_logits;
     std::vector<TokenDistribution> p_whole, q_whole, p_part, q_part;
     for (int64_t i = 0; i <= K; ++i) {
-      const std::vector<float> logits = row();
-      p_whole.push_back(truncate(logits, sampler, n));
-      p_part.push_back(in_part(logits));
+      p_logits.push_back(row());
+      p_whole.push_back(truncate(p_logits.back(), part.sampler, part.n));
+      p_part.push_back(part.in_part(p_logits.back()));
       ASSERT_GT(p_part.back().unlisted, 0.0);
       if (i == K) break;
-      const std::vector<float> draft_logits = row();
-      q_whole.push_back(truncate(draft_logits, sampler, n));
-      q_part.push_back(in_part(draft_logits));
+      q_logits.push_back(row());
+      q_whole.push_back(truncate(q_logits.back(), part.sampler, part.n));
+      q_part.push_back(part.in_part(q_logits.back()));
     }
-    const WholeRow whole = [&](bool target, size_t i) -> const TokenDistribution& {
-      ++completed;
+    RowsBelow below;
+    below.logit = [&](bool target, size_t i, int32_t id) {
+      ++logits_read;
+      return (target ? p_logits : q_logits)[i][static_cast<size_t>(id)];
+    };
+    below.whole = [&](bool target, size_t i) -> const TokenDistribution& {
       return target ? p_whole[i] : q_whole[i];
     };
     for (uint64_t seed = 0; seed < 50; ++seed) {
@@ -159,21 +171,75 @@ TEST(AcceptDrafts, RowsListedInPartGiveTheWholeRowsOutput) {
       std::vector<int32_t> drafts;
       for (const TokenDistribution& q : q_whole) drafts.push_back(sample(q, draft_rng));
       Rng a(seed), b(seed);
-      ASSERT_EQ(accept_drafts(drafts, q_part, p_part, a, whole), accept_drafts(drafts, q_whole, p_whole, b))
-          << "trial " << trial << " seed " << seed;
-      ++compared;
+      const std::vector<int32_t> from_part = accept_drafts(drafts, q_part, p_part, a, below),
+                                 from_whole = accept_drafts(drafts, q_whole, p_whole, b);
+      ASSERT_EQ(from_part.size(), from_whole.size()) << "trial " << trial << " seed " << seed;
+      if (from_part.size() == drafts.size() + 1) {
+        ASSERT_EQ(from_part, from_whole) << "trial " << trial << " seed " << seed;  // the same bonus draw
+        ++all_accepted;
+      } else {
+        ++rejected;  // the same accepted prefix; the recovered token has the residual's law (test below)
+        ASSERT_TRUE(std::equal(from_part.begin(), from_part.end() - 1, from_whole.begin()));
+      }
     }
   }
-  EXPECT_GT(completed, 0);
-  EXPECT_LT(completed, compared * (2 * K + 1));  // not every row, every time
-  // A row listed in part and no way to complete it is an error, not a wrong draw.
+  EXPECT_GT(rejected, 100);
+  EXPECT_GT(all_accepted, 0);
+  EXPECT_GT(logits_read, 0);
   Rng rng(1);
-  const std::vector<float> logits = row();
-  const TokenDistribution part = in_part(logits);
-  std::vector<int32_t> below;  // an id below the listed ones: its probability needs the whole row
-  for (int32_t i = 0; i < n && below.empty(); ++i)
-    if (part.prob(i) == 0.0f) below.push_back(i);
-  EXPECT_THROW(accept_drafts(below, std::vector{part}, std::vector{part, part}, rng), Error);
+  const TokenDistribution listed = part.in_part(row());
+  std::vector<int32_t> below_ids;  // an id below the listed ones: its probability needs more of the row
+  for (int32_t i = 0; i < part.n && below_ids.empty(); ++i)
+    if (listed.prob(i) == 0.0f) below_ids.push_back(i);
+  EXPECT_THROW(accept_drafts(below_ids, std::vector{listed}, std::vector{listed, listed}, rng), Error);
+}
+
+// draw_residual from rows listed in part (proposals from p kept with probability max(0, 1 - q / p)) has the
+// law of normalize(max(p - q, 0)) over the whole rows: chi-square against draws from residual_distribution,
+// for rows far apart (the proposals decide) and for rows so close that the proposals often give up (then
+// the whole rows' residual decides), with few listed ids so that draws below them come often.
+TEST(AcceptDrafts, ResidualOfRowsListedInPartHasTheResidualLaw) {
+  std::mt19937 gen(21);
+  std::normal_distribution<float> normal(0.0f, 2.0f), jitter(0.0f, 0.01f);
+  const RowsInPart part{.n = 1000, .top = 100, .sampler = {.temperature = 1.2}};
+  std::vector<float> p_logits(static_cast<size_t>(part.n));
+  for (float& l : p_logits) l = normal(gen);
+  for (bool close : {false, true}) {
+    std::vector<float> q_logits = p_logits;
+    for (float& l : q_logits) l = close ? l + jitter(gen) : normal(gen);
+    const TokenDistribution p_whole = truncate(p_logits, part.sampler, part.n),
+                            q_whole = truncate(q_logits, part.sampler, part.n);
+    const TokenDistribution p_part = part.in_part(p_logits), q_part = part.in_part(q_logits);
+    // p draws below its top ids as a device does (in id order), q only from its whole row.
+    int q_whole_asked = 0;
+    const SampledRow p_row{p_part, [&](int32_t id) { return p_logits[static_cast<size_t>(id)]; },
+                           [&](BelowDraw d) {
+                             d.limit = part.n;
+                             return testing_util::draw_below_reference(p_logits, d);
+                           },
+                           [&]() -> const TokenDistribution& { return p_whole; }};
+    const SampledRow q_row{q_part,
+                           [&](int32_t id) { return q_logits[static_cast<size_t>(id)]; },
+                           {},
+                           [&]() -> const TokenDistribution& {
+                             ++q_whole_asked;
+                             return q_whole;
+                           }};
+    const TokenDistribution exact = residual_distribution(p_whole, q_whole);
+    const int draws = 20000;
+    std::map<std::string, int> from_part, from_exact;
+    Rng a(3), b(4);
+    for (int i = 0; i < draws; ++i) {
+      ++from_part[std::to_string(draw_residual(p_row, q_row, a))];
+      ++from_exact[std::to_string(sample(exact, b))];
+    }
+    const auto [chi2, critical] = chi_square_two_sample(from_part, from_exact);
+    EXPECT_LT(chi2, critical) << (close ? "close rows" : "rows far apart");
+    if (close)
+      EXPECT_GT(q_whole_asked, draws / 10);  // the proposals gave up (residual mass ~1%)
+    else
+      EXPECT_LT(q_whole_asked, draws / 1000);
+  }
 }
 
 // The emitted first token is distributed as p whatever q is (the theorem of speculative sampling).

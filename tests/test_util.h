@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/device.h"
+
 namespace mtpx::testing_util {
 
 // max |a - b| / max |b| over n values (the tolerance measure of the reference tests).
@@ -26,6 +28,22 @@ inline double worst_row_relative_error(const std::vector<float>& got, const std:
     worst = std::max(worst, relative_error(&got[r * static_cast<size_t>(width)],
                                            &want[r * static_cast<size_t>(width)], width));
   return worst;
+}
+
+// A draw below a row's top ids (BelowDraw) on the host, written from its definition: the first id < limit
+// with logit < below, in id order, at which the running sum of exp(logit * inv_temperature - max_scaled)
+// exceeds the weight; the last such id when none does; -1 when there is none.
+inline int32_t draw_below_reference(const std::vector<float>& row, const BelowDraw& d) {
+  double sum = 0.0;
+  int32_t last = -1;
+  for (int64_t i = 0; i < d.limit; ++i) {
+    const float l = row[static_cast<size_t>(i)];
+    if (!(l < d.below)) continue;
+    last = static_cast<int32_t>(i);
+    sum += std::exp(static_cast<double>(l) * d.inv_temperature - d.max_scaled);
+    if (d.weight < sum) return last;
+  }
+  return last;
 }
 
 }  // namespace mtpx::testing_util

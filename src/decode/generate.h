@@ -67,8 +67,13 @@ struct GenerateStats {
   double prefill_seconds = 0.0;  // prompt forward pass (includes the first sampled token)
   double decode_seconds = 0.0;   // the remaining forward passes
   int64_t decode_steps = 0;
-  // Sampling a row whole on a device: the draws that landed below its top ids and fetched its logits.
+  // Sampling rows whole on a device (rows listed in part, sampler.h): the draws that landed below a row's
+  // top ids (drawn there on the device), the rows fetched whole (speculative decoding: a residual whose
+  // proposals gave up) and the single logits fetched (speculative decoding: one id's probability below a
+  // row's top ids).
+  int64_t draws_below = 0;
   int64_t logit_rows_fetched = 0;
+  int64_t logit_values_fetched = 0;
   MtpStats mtp;
 
   double prefill_tok_s() const {

@@ -24,6 +24,12 @@ float TokenDistribution::prob(int32_t id) const {
   return 0.0f;
 }
 
+float TokenDistribution::prob_of_logit(float logit) const {
+  if (unlisted <= 0.0) fail(ErrorKind::kInternal, "prob_of_logit: a distribution listed whole");
+  return static_cast<float>(std::exp(static_cast<double>(logit) * scale.inv_temperature - scale.max_scaled) /
+                            scale.total);
+}
+
 int32_t argmax(std::span<const float> logits, int64_t vocab_limit) {
   const int64_t n = std::min<int64_t>(vocab_limit, static_cast<int64_t>(logits.size()));
   return n > 0 ? cpu::argmax(logits.data(), n) : 0;
@@ -120,6 +126,8 @@ std::optional<TokenDistribution> truncate_survivors(IdLogits survivors, const Sa
     }
   } else if (unlisted) {
     d.unlisted = rest_mass / total;
+    d.scale = {
+        .inv_temperature = inv_t, .max_scaled = max_logit, .total = total, .below = survivors.back().second};
   }
   return d;
 }
@@ -238,6 +246,16 @@ std::optional<int32_t> draw(const TokenDistribution& d, double u) {
   }
   if (d.unlisted > 0.0) return std::nullopt;  // below the listed ids
   return d.ids.back();                        // u beyond the float-rounded total
+}
+
+BelowDraw below_draw(const TokenDistribution& d, double u) {
+  if (d.unlisted <= 0.0) fail(ErrorKind::kInternal, "below_draw: a distribution listed whole");
+  double listed = 0.0;
+  for (float p : d.probs) listed += p;
+  return {.below = d.scale.below,
+          .inv_temperature = d.scale.inv_temperature,
+          .max_scaled = d.scale.max_scaled,
+          .weight = std::max(0.0, u - listed) * d.scale.total};
 }
 
 int32_t sample(const TokenDistribution& d, Rng& rng) {

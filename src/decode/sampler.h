@@ -41,8 +41,17 @@ struct TokenDistribution {
   std::vector<int32_t> ids;
   std::vector<float> probs;
   double unlisted = 0.0;
+  // With unlisted > 0, how the row weighs each of its ids, listed or not: exp(logit * inv_temperature -
+  // max_scaled) / total, the probability truncate() of the whole row gives it (up to the order of the sum
+  // in `total`); the unlisted ids are those whose logit is < below (the lowest listed).
+  struct RowScale {
+    double inv_temperature = 0.0, max_scaled = 0.0, total = 0.0;
+    float below = 0.0f;
+  } scale;
 
   float prob(int32_t id) const;  // 0 for an id not listed
+  // The probability of an id of a row listed in part from its logit (-infinity: an id the row excludes, 0).
+  float prob_of_logit(float logit) const;
 };
 
 // softmax(logits / T), then, in Hugging Face's order: top-k (keep tokens whose logit is >= the k-th
@@ -90,18 +99,15 @@ class Rng {
 // The id at u in [0, 1) of the distribution's inverse CDF, walking its list in order; nullopt when u lands
 // in its unlisted share. The row's full distribution (truncate()) lists the same ids first in the same
 // order (a device's top ids are at most 1024, among truncate()'s top ids), so drawing from it with the
-// same u gives the same id, or one of the unlisted ones where this gave nullopt: a draw that needs the
-// row only when it lands below its top ids is exact.
+// same u gives the same id, or one of the unlisted ones where this gave nullopt.
 std::optional<int32_t> draw(const TokenDistribution& distribution, double u);
 
-// draw() from a row perhaps listed in part, with `whole()` (the row listed whole, a TokenDistribution)
-// asked for only when u lands below the listed ids.
-template <typename Whole>
-int32_t draw_or_whole(const TokenDistribution& distribution, double u, Whole&& whole) {
-  if (const std::optional<int32_t> id = draw(distribution, u)) return *id;
-  const TokenDistribution& listed_whole = whole();
-  return *draw(listed_whole, u);
-}
+// Where a draw at u that landed below a row's listed ids (draw() gave nullopt) goes: among the ids below,
+// in id order, at the weight (u - the listed probabilities' sum) * total, each weighing as RowScale says.
+// Together with draw() that is the inverse CDF of the row listed as its top ids, then the others in id
+// order: as exact a draw as truncate()'s order gives, and a device makes it without copying the row
+// (DeviceExecutor::draw_below). The caller sets the limit.
+BelowDraw below_draw(const TokenDistribution& distribution, double u);
 
 // Draws one id from a fully listed distribution (draw() at a uniform u).
 int32_t sample(const TokenDistribution& distribution, Rng& rng);

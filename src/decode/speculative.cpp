@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <optional>
 #include <unordered_map>
 
@@ -10,6 +11,8 @@
 #include "util/error.h"
 
 namespace mtpx {
+
+static_assert(kMaxDraft <= kKeptLogitRows, "a slot per draft for the head's rows kept on a device");
 
 TokenDistribution residual_distribution(const TokenDistribution& p, const TokenDistribution& q) {
   // q's probability by id: a hash map for truncated rows, a dense table for rows sampled whole (a map of
@@ -46,39 +49,65 @@ TokenDistribution residual_distribution(const TokenDistribution& p, const TokenD
   return r;
 }
 
+double SampledRow::prob(int32_t id) const {
+  const float p = listed.prob(id);
+  if (p > 0.0f || listed.unlisted <= 0.0) return p;
+  if (logit) return listed.prob_of_logit(logit(id));
+  return listed_whole().prob(id);
+}
+
+int32_t SampledRow::draw(double u) const {
+  if (const std::optional<int32_t> id = mtpx::draw(listed, u)) return *id;
+  if (draw_below) return draw_below(below_draw(listed, u));
+  return *mtpx::draw(listed_whole(), u);
+}
+
+const TokenDistribution& SampledRow::listed_whole() const {
+  if (listed.unlisted <= 0.0) return listed;
+  if (!whole) fail(ErrorKind::kInternal, "accept_drafts: a row listed in part and no way to complete it");
+  return whole();
+}
+
+int32_t draw_residual(const SampledRow& p, const SampledRow& q, Rng& rng) {
+  if (p.listed.unlisted <= 0.0 && q.listed.unlisted <= 0.0)
+    return sample(residual_distribution(p.listed, q.listed), rng);
+  for (int i = 0; i < kResidualProposals; ++i) {
+    const int32_t y = p.draw(rng.uniform());
+    const double py = p.prob(y), qy = q.prob(y);
+    if (rng.uniform() * py < py - qy) return y;  // u < 1 - q(y) / p(y), without dividing
+  }
+  return sample(residual_distribution(p.listed_whole(), q.listed_whole()), rng);
+}
+
 std::vector<int32_t> accept_drafts(std::span<const int32_t> drafts,
                                    std::span<const TokenDistribution> draft_dists,
                                    std::span<const TokenDistribution> target_dists, Rng& rng,
-                                   const WholeRow& whole) {
+                                   const RowsBelow& below) {
   if (draft_dists.size() != drafts.size() || target_dists.size() != drafts.size() + 1)
     fail(ErrorKind::kInternal, "accept_drafts: {} drafts, {} draft and {} target distributions",
          drafts.size(), draft_dists.size(), target_dists.size());
-  // Row i listed whole: as given, or completed by `whole` where it is listed in part.
-  auto listed_whole = [&](bool target, size_t i) -> const TokenDistribution& {
-    const TokenDistribution& d = target ? target_dists[i] : draft_dists[i];
-    if (d.unlisted <= 0.0) return d;
-    if (!whole) fail(ErrorKind::kInternal, "accept_drafts: a row listed in part and no way to complete it");
-    return whole(target, i);
-  };
-  auto prob = [&](bool target, size_t i, int32_t id) {
-    const TokenDistribution& d = target ? target_dists[i] : draft_dists[i];
-    const float listed = d.prob(id);
-    return listed == 0.0f && d.unlisted > 0.0 ? listed_whole(target, i).prob(id) : listed;
+  auto row = [&](bool target, size_t i) {
+    SampledRow r{target ? target_dists[i] : draft_dists[i], {}, {}, {}};
+    if (below.logit) r.logit = [&below, target, i](int32_t id) { return below.logit(target, i, id); };
+    if (below.draw)
+      r.draw_below = [&below, target, i](const BelowDraw& d) { return below.draw(target, i, d); };
+    if (below.whole)
+      r.whole = [&below, target, i]() -> const TokenDistribution& { return below.whole(target, i); };
+    return r;
   };
   std::vector<int32_t> emitted;
   for (size_t i = 0; i < drafts.size(); ++i) {
-    const double p = prob(true, i, drafts[i]);
-    const double q = prob(false, i, drafts[i]);  // > 0: the draft was sampled from q
-    if (rng.uniform() * q < p) {                 // u < min(1, p/q), without dividing
-      emitted.push_back(drafts[i]);              // accepted
+    const SampledRow p_row = row(true, i), q_row = row(false, i);
+    const double p = p_row.prob(drafts[i]);
+    const double q = q_row.prob(drafts[i]);  // > 0: the draft was sampled from q
+    if (rng.uniform() * q < p) {             // u < min(1, p/q), without dividing
+      emitted.push_back(drafts[i]);          // accepted
       continue;
     }
-    emitted.push_back(sample(residual_distribution(listed_whole(true, i), listed_whole(false, i)), rng));
+    emitted.push_back(draw_residual(p_row, q_row, rng));
     return emitted;  // recovered
   }
-  emitted.push_back(draw_or_whole(target_dists.back(), rng.uniform(), [&]() -> const TokenDistribution& {
-    return listed_whole(true, drafts.size());
-  }));  // bonus
+  emitted.push_back(row(true, drafts.size()).draw(rng.uniform()));  // bonus
   return emitted;
 }
 
@@ -130,8 +159,8 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   // Sampling: a device returns each row's candidates instead of the row where they decide its truncation
   // (the same truncation, truncate_candidates); the CPU returns the logits. A row sampled whole (temperature
   // alone) comes back as its top ids and the rest's mass, listed in part: the trunk's rows stay on the device
-  // until the next pass and are fetched when a draw or accept_drafts needs their rest; each head row is
-  // fetched at once (the next pass overwrites it), and listed whole only where needed.
+  // until the next pass, each head row is kept there in its draft's slot (the next pass overwrites the
+  // head's logits), and accept_drafts reaches below their top ids through `below`.
   const CandidateRequest target_request = candidate_request(options.sampler, vocab_limit, true),
                          draft_request =
                              candidate_request(options.sampler, std::min(draft_ids, vocab_limit), true);
@@ -160,24 +189,45 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     return static_cast<int64_t>(result.tokens.size()) < options.max_tokens;
   };
 
-  // The trunk's last pass's rows listed whole (fetched from the device on first use), and the head's (from
-  // head_rows: per draft position, the head's logits of a row listed in part).
+  // Rows listed in part reach below their top ids on the device (RowsBelow): the trunk's rows of its last
+  // pass, the head's in the slot each draft's pass kept (keep_head_logits): one id's logit, a draw below the
+  // top, or (a residual whose proposals gave up) the whole row, listed once per step.
   ForwardResult trunk;
-  bool trunk_rows_fetched = false;
   std::vector<std::optional<TokenDistribution>> whole_targets, whole_drafts;
-  std::vector<std::vector<float>> head_rows;
-  auto whole_row = [&](bool target, size_t i) -> const TokenDistribution& {
+  std::vector<float> fetched;
+  const int64_t draft_limit = std::min(draft_ids, vocab_limit);
+  RowsBelow below;
+  below.logit = [&](bool target, size_t i, int32_t id) {
+    if (id >= (target ? vocab_limit : draft_limit)) return -std::numeric_limits<float>::infinity();
+    ++result.stats.logit_values_fetched;
+    const std::span<const int32_t> one(&id, 1);
+    if (target)
+      model.fetch_logits(state, static_cast<int64_t>(i), one, fetched);
+    else
+      fetch_head_logits(model, head_state, static_cast<int64_t>(i), one, fetched);
+    return fetched[0];
+  };
+  below.draw = [&](bool target, size_t i, BelowDraw d) {
+    ++result.stats.draws_below;
+    d.limit = target ? vocab_limit : draft_limit;
+    return target ? model.draw_below(state, static_cast<int64_t>(i), d)
+                  : draw_below_head(model, head_state, static_cast<int64_t>(i), d);
+  };
+  below.whole = [&](bool target, size_t i) -> const TokenDistribution& {
     std::optional<TokenDistribution>& d = target ? whole_targets[i] : whole_drafts[i];
     if (d) return *d;
-    if (!target) return *(d = draft_distribution(head_rows[i].data()));
-    if (!trunk_rows_fetched) model.fetch_logits(state, trunk.logits);
-    trunk_rows_fetched = true;
-    return *(d = distribution(&trunk.logits[i * static_cast<size_t>(V)]));
+    ++result.stats.logit_rows_fetched;
+    if (!target) {
+      fetch_head_logits(model, head_state, static_cast<int64_t>(i), {}, fetched);
+      return *(d = draft_distribution(fetched.data()));
+    }
+    model.fetch_logits(state, static_cast<int64_t>(i), {}, fetched);
+    return *(d = distribution(fetched.data()));
   };
-  // A draw from a row listed perhaps in part: the same as from the whole row (draw()).
+  // A draw from a row listed perhaps in part, below its listed ids on the device.
   auto draw_row = [&](const TokenDistribution& d, bool target, size_t i) {
-    return draw_or_whole(d, rng.uniform(),
-                         [&]() -> const TokenDistribution& { return whole_row(target, i); });
+    const SampledRow r{d, {}, [&](const BelowDraw& b) { return below.draw(target, i, b); }, {}};
+    return r.draw(rng.uniform());
   };
 
   // Prefill the trunk; the first token comes from its last row, exactly as in plain decoding.
@@ -211,7 +261,6 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     drafts.clear();
     draft_dists.clear();
     whole_drafts.assign(static_cast<size_t>(k), std::nullopt);
-    head_rows.resize(static_cast<size_t>(k));
     std::vector<float> head_hidden(head.hidden.end() - H, head.hidden.end());
     for (int64_t i = 0; i < k; ++i) {
       if (i > 0) {
@@ -220,8 +269,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
         head_hidden.assign(head.hidden.begin(), head.hidden.end());
       }
       draft_dists.push_back(head_row(head));
-      if (draft_dists.back().unlisted > 0.0)
-        fetch_head_logits(model, head_state, head_rows[static_cast<size_t>(i)]);
+      if (draft_dists.back().unlisted > 0.0) keep_head_logits(model, head_state, i);
       drafts.push_back(draw_row(draft_dists.back(), false, static_cast<size_t>(i)));
     }
 
@@ -239,11 +287,10 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     window.insert(window.end(), drafts.begin(), drafts.end());
     model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true, target_argmax,
                   head_logit_ids, target_request);
-    trunk_rows_fetched = false;
     whole_targets.assign(static_cast<size_t>(k + 1), std::nullopt);
     target_dists.clear();
     for (int64_t i = 0; i <= k; ++i) target_dists.push_back(target_row(trunk, i));
-    const std::vector<int32_t> emitted = accept_drafts(drafts, draft_dists, target_dists, rng, whole_row);
+    const std::vector<int32_t> emitted = accept_drafts(drafts, draft_dists, target_dists, rng, below);
     const int64_t accepted = static_cast<int64_t>(emitted.size()) - 1;
 
     MtpStats& s = result.stats.mtp;

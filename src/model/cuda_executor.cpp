@@ -77,6 +77,10 @@ class CudaSequence : public DeviceSequence {
   // and inverse temperature. One set per sequence: the graphs hold its buffers.
   std::map<std::tuple<int64_t, LogitRows, bool, int64_t, int64_t, int64_t, int64_t, double>, CapturedPass>
       graphs;
+  // Logit rows kept for sampling (DeviceExecutor::keep_logits): kKeptLogitRows slots of the vocabulary's
+  // length, made on the first keep; each slot's length as kept (0: empty).
+  Buffer kept;
+  std::vector<int64_t> kept_lengths;
 };
 
 class CudaExecutor final : public DeviceExecutor {
@@ -92,7 +96,11 @@ class CudaExecutor final : public DeviceExecutor {
                std::vector<float>& logits, std::vector<int32_t>& argmax,
                LogitCandidates& candidates) const override;
   void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const override;
-  void fetch_logits(const DeviceSequence& sequence, std::vector<float>& logits) const override;
+  void fetch_logits(const DeviceSequence& sequence, DeviceLogitRow row, std::span<const int32_t> ids,
+                    std::vector<float>& values) const override;
+  void keep_logits(DeviceSequence& sequence, int64_t slot) const override;
+  int32_t draw_below(const DeviceSequence& sequence, DeviceLogitRow row,
+                     const BelowDraw& draw) const override;
   void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden, std::span<const int32_t> tokens,
                    int64_t p0, LogitRows rows, int64_t logit_ids, int64_t argmax_limit,
                    CandidateRequest sample, std::vector<float>& hidden_out, std::vector<float>& logits,
@@ -126,8 +134,10 @@ class CudaExecutor final : public DeviceExecutor {
   void copy_out(int64_t t_count, LogitRows rows, int64_t vocab, int64_t argmax_limit,
                 const CandidateRequest& sample, std::vector<float>& hidden, std::vector<float>& logits,
                 std::vector<int32_t>& argmax, LogitCandidates& candidates) const;
-  // The first `count` floats of logits_ into `logits`, through the staging buffer.
-  void logits_to_host(int64_t count, std::vector<float>& logits) const;
+  // Where a logit row of `seq` is on the device and its length (fetch_logits' rules); the mutex held.
+  std::pair<const float*, int64_t> logit_row(const CudaSequence& seq, DeviceLogitRow row) const;
+  // `count` floats from `from` (device) into `logits`, through the staging buffer.
+  void logits_to_host(const float* from, int64_t count, std::vector<float>& logits) const;
   // Logit rows of a pass of t_count tokens.
   static int64_t logit_rows(LogitRows rows, int64_t t_count) {
     return rows == LogitRows::kAll ? t_count : rows == LogitRows::kLast ? 1 : 0;
@@ -214,6 +224,7 @@ class CudaExecutor final : public DeviceExecutor {
   mutable Buffer candidate_ids_, candidate_values_, candidate_counts_;  // [rows, kCandidateCap], [rows]
   mutable Buffer candidate_masses_;     // [rows, 2]: the candidates' and the rest's
   mutable Buffer candidate_scratch_;    // the select's state per row
+  mutable Buffer draw_scratch_;         // draw_below's sums, then its result (made on first use)
   mutable cuda::PinnedBuffer staging_;  // host side of the result copies  // [rows, V] of the last pass
                                         // (grown on demand: only kAll passes need > 1 row)
 };
@@ -593,7 +604,9 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
     whole_rows = !sample.decided_by(masses[static_cast<size_t>(2 * r)],
                                     masses[static_cast<size_t>(2 * r + 1)], lowest_weight);
   }
-  if (whole_rows) return logits_to_host(n_rows * V, logits);  // after all (they are still on the device)
+  if (whole_rows)
+    return logits_to_host(logits_.as<float>(), n_rows * V,
+                          logits);  // after all (they are still on the device)
   candidates.offsets.assign(1, 0);
   for (int64_t r = 0; r < n_rows; ++r) {
     const int32_t c = counts[static_cast<size_t>(r)];
@@ -652,18 +665,81 @@ void CudaExecutor::forward(DeviceSequence& sequence, int64_t p0, std::span<const
   copy_out(T, rows, V, argmax_limit, sample, hidden, logits, argmax, candidates);
 }
 
-void CudaExecutor::fetch_logits(const DeviceSequence& sequence, std::vector<float>& logits) const {
-  std::lock_guard lock(mutex_);
-  if (logits_owner_ != static_cast<const CudaSequence&>(sequence).id || logits_rows_ == 0)
-    fail(ErrorKind::kInternal, "fetch_logits: another pass ran since this sequence's (or it had no logits)");
-  logits_to_host(logits_rows_ * logits_vocab_, logits);
+std::pair<const float*, int64_t> CudaExecutor::logit_row(const CudaSequence& seq, DeviceLogitRow row) const {
+  if (row.kept) {
+    if (row.index < 0 || row.index >= static_cast<int64_t>(seq.kept_lengths.size()) ||
+        seq.kept_lengths[static_cast<size_t>(row.index)] == 0)
+      fail(ErrorKind::kInternal, "logits: none kept in slot {}", row.index);
+    return {seq.kept.as<float>() + row.index * config_.vocab_size,
+            seq.kept_lengths[static_cast<size_t>(row.index)]};
+  }
+  if (logits_owner_ != seq.id || row.index < 0 || row.index >= logits_rows_)
+    fail(ErrorKind::kInternal, "logits: row {} is not of this sequence's last pass (another pass ran since?)",
+         row.index);
+  return {logits_.as<float>() + row.index * logits_vocab_, logits_vocab_};
 }
 
-void CudaExecutor::logits_to_host(int64_t count, std::vector<float>& logits) const {
+void CudaExecutor::fetch_logits(const DeviceSequence& sequence, DeviceLogitRow row,
+                                std::span<const int32_t> ids, std::vector<float>& values) const {
+  std::lock_guard lock(mutex_);
+  const auto [from, length] = logit_row(static_cast<const CudaSequence&>(sequence), row);
+  if (ids.empty()) return logits_to_host(from, length, values);
+  // One copy per id into the staging buffer, one wait (a draw needs a few ids at most).
+  const size_t bytes = ids.size() * sizeof(float);
+  if (staging_.bytes() < bytes) staging_ = cuda::PinnedBuffer(bytes);
+  auto* host = static_cast<float*>(staging_.data());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= length)
+      fail(ErrorKind::kInternal, "fetch_logits: id {} of a row of {} logits", ids[i], length);
+    stream_.to_host(host + i, from + ids[i], sizeof(float));
+  }
+  stream_.synchronize();
+  values.assign(host, host + ids.size());
+}
+
+int32_t CudaExecutor::draw_below(const DeviceSequence& sequence, DeviceLogitRow row,
+                                 const BelowDraw& draw) const {
+  std::lock_guard lock(mutex_);
+  const auto [from, length] = logit_row(static_cast<const CudaSequence&>(sequence), row);
+  if (draw.limit < 1 || draw.limit > length)
+    fail(ErrorKind::kInternal, "draw_below: a limit of {} in a row of {} logits", draw.limit, length);
+  const auto scratch_bytes = static_cast<size_t>(cuda::draw_below_scratch_bytes());
+  if (draw_scratch_.bytes() == 0) draw_scratch_ = Buffer(scratch_bytes + sizeof(int32_t));
+  auto* out = reinterpret_cast<int32_t*>(static_cast<char*>(draw_scratch_.data()) + scratch_bytes);
+  cuda::draw_below(from, draw.limit, draw.below, draw.inv_temperature, draw.max_scaled, draw.weight,
+                   draw_scratch_.data(), out, stream_.handle());
+  if (staging_.bytes() < sizeof(int32_t)) staging_ = cuda::PinnedBuffer(sizeof(int32_t));
+  stream_.to_host(staging_.data(), out, sizeof(int32_t));
+  stream_.synchronize();
+  int32_t id = -1;
+  std::memcpy(&id, staging_.data(), sizeof(id));
+  if (id < 0) fail(ErrorKind::kInternal, "draw_below: no id of the row is below {}", draw.below);
+  return id;
+}
+
+void CudaExecutor::keep_logits(DeviceSequence& sequence, int64_t slot) const {
+  std::lock_guard lock(mutex_);
+  auto& seq = static_cast<CudaSequence&>(sequence);
+  if (logits_owner_ != seq.id || logits_rows_ == 0)
+    fail(ErrorKind::kInternal, "keep_logits: another pass ran since this sequence's (or it had no logits)");
+  if (slot < 0 || slot >= kKeptLogitRows) fail(ErrorKind::kInternal, "keep_logits: slot {}", slot);
+  const int64_t V = config_.vocab_size;
+  if (seq.kept_lengths.empty()) {
+    seq.kept = Buffer(static_cast<size_t>(kKeptLogitRows * V) * sizeof(float));
+    seq.kept_lengths.assign(static_cast<size_t>(kKeptLogitRows), 0);
+    note_device_usage();
+  }
+  stream_.device_copy(seq.kept.as<float>() + slot * V,
+                      logits_.as<float>() + (logits_rows_ - 1) * logits_vocab_,
+                      static_cast<size_t>(logits_vocab_) * sizeof(float));
+  seq.kept_lengths[static_cast<size_t>(slot)] = logits_vocab_;
+}
+
+void CudaExecutor::logits_to_host(const float* from, int64_t count, std::vector<float>& logits) const {
   logits.resize(static_cast<size_t>(count));
   const size_t bytes = logits.size() * sizeof(float);
   if (staging_.bytes() < bytes) staging_ = cuda::PinnedBuffer(bytes);
-  stream_.to_host(staging_.data(), logits_.data(), bytes);
+  stream_.to_host(staging_.data(), from, bytes);
   stream_.synchronize();
   std::memcpy(logits.data(), staging_.data(), bytes);
 }

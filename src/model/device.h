@@ -30,7 +30,7 @@ struct ForwardResult;
 //   as logits (decided_by()).
 // - with none of them (temperature alone, the row sampled whole) and rows_on_request: the same threshold
 //   candidates and rest mass, and the logits stay on the device until its next pass
-//   (DeviceExecutor::fetch_logits), for the draws that land below the candidates. Without
+//   (DeviceExecutor::fetch_logits, keep_logits), for what reaches below the candidates. Without
 //   rows_on_request such rows come back as logits.
 struct CandidateRequest {
   int64_t limit = 0;  // ids < limit are eligible; 0: no request
@@ -88,6 +88,23 @@ inline bool holds_non_finite(std::span<const int32_t> argmax, const LogitCandida
   return false;
 }
 
+// A logit row on a device (DeviceExecutor::fetch_logits): row `index` of a sequence's last pass, or with
+// `kept` its slot `index` (DeviceExecutor::keep_logits).
+struct DeviceLogitRow {
+  int64_t index = 0;
+  bool kept = false;
+};
+inline constexpr int64_t kKeptLogitRows = 16;
+
+// A draw among the ids of a row below its listed top ids (DeviceExecutor::draw_below): the ids < limit whose
+// logit is < below, each weighing exp(logit * inv_temperature - max_scaled), in id order; the draw is the
+// first id at which the running sum of the weights exceeds `weight` (decode/sampler.h: below_draw()).
+struct BelowDraw {
+  int64_t limit = 0;
+  float below = 0.0f;
+  double inv_temperature = 0.0, max_scaled = 0.0, weight = 0.0;
+};
+
 class DeviceExecutor {
  public:
   virtual ~DeviceExecutor() = default;
@@ -114,11 +131,22 @@ class DeviceExecutor {
                        LogitCandidates& candidates) const = 0;
   // Cuts the last recorded window (of window_tokens) back to its first `keep` tokens.
   virtual void rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const = 0;
+  // Logits of a row a device still holds, for sampling rows listed in part (CandidateRequest's
+  // rows_on_request): row `index` of `sequence`'s last pass (forward() or, for a head sequence,
+  // mtp_forward(); an mtpx::Error, kInternal, once another pass has run since), or with `kept` the row kept
+  // in slot `index` (keep_logits). `ids` empty: the whole row, as long as that pass computed it; else the
+  // logits of those ids (each < its length) in order. Into `values`.
+  virtual void fetch_logits(const DeviceSequence& sequence, DeviceLogitRow row, std::span<const int32_t> ids,
+                            std::vector<float>& values) const = 0;
+  // A draw below a row's top ids (BelowDraw) from the row as fetch_logits finds it, on the device
+  // (cuda::draw_below): a draw that lands below a row's listed ids without copying the row.
+  virtual int32_t draw_below(const DeviceSequence& sequence, DeviceLogitRow row,
+                             const BelowDraw& draw) const = 0;
+  // Keeps the last logit row of `sequence`'s last pass in the sequence's slot `slot` (< kKeptLogitRows) for
+  // fetch_logits, until the slot is kept over: the head's drafts of one step are sampled from rows of
+  // successive passes, which the verify pass must still reach. A copy on the device; no host copy.
+  virtual void keep_logits(DeviceSequence& sequence, int64_t slot) const = 0;
   // As mtp_forward (model/mtp_head.h): logits of ids < logit_ids only (0: all), from that many lm_head rows.
-  // The [rows, V] logits of `sequence`'s last pass (forward() or, for a head sequence, mtp_forward(); V as
-  // that pass computed them), while no other pass has run since (an mtpx::Error, kInternal, otherwise):
-  // what a draw below a whole row's candidates needs.
-  virtual void fetch_logits(const DeviceSequence& sequence, std::vector<float>& logits) const = 0;
   virtual void mtp_forward(DeviceSequence& sequence, std::span<const float> hidden,
                            std::span<const int32_t> tokens, int64_t p0, LogitRows rows, int64_t logit_ids,
                            int64_t argmax_limit, CandidateRequest sample, std::vector<float>& hidden_out,

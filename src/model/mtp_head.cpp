@@ -21,11 +21,26 @@ MtpState new_mtp_state(const Model& model, int64_t capacity) {
   return MtpState(model.config(), capacity);
 }
 
-void fetch_head_logits(const Model& model, const MtpState& state, std::vector<float>& logits) {
+void keep_head_logits(const Model& model, MtpState& state, int64_t slot) {
+  const DeviceExecutor* e = model.executor();
+  if (e == nullptr || state.device() == nullptr)
+    fail(ErrorKind::kInternal, "keep_head_logits: the CPU's passes return their logits");
+  e->keep_logits(*state.device(), slot);
+}
+
+void fetch_head_logits(const Model& model, const MtpState& state, int64_t slot, std::span<const int32_t> ids,
+                       std::vector<float>& values) {
   const DeviceExecutor* e = model.executor();
   if (e == nullptr || state.device() == nullptr)
     fail(ErrorKind::kInternal, "fetch_head_logits: the CPU's passes return their logits");
-  e->fetch_logits(*state.device(), logits);
+  e->fetch_logits(*state.device(), DeviceLogitRow{.index = slot, .kept = true}, ids, values);
+}
+
+int32_t draw_below_head(const Model& model, const MtpState& state, int64_t slot, const BelowDraw& draw) {
+  const DeviceExecutor* e = model.executor();
+  if (e == nullptr || state.device() == nullptr)
+    fail(ErrorKind::kInternal, "draw_below_head: the CPU's passes return their logits");
+  return e->draw_below(*state.device(), DeviceLogitRow{.index = slot, .kept = true}, draw);
 }
 
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,

@@ -48,8 +48,15 @@ struct MtpResult {
 // logit_ids > 0 (a draft vocabulary): the logits of ids < logit_ids only, [rows, logit_ids], from that
 // many rows of the lm_head. argmax_limit > 0 and sample: as Model::forward's (over ids < min(logit_ids,
 // limit)).
-// As Model::fetch_logits, for the head's last pass on a device: its [rows, logit ids] logits.
-void fetch_head_logits(const Model& model, const MtpState& state, std::vector<float>& logits);
+// On a device, for the head's rows sampled whole (CandidateRequest::rows_on_request): keep_head_logits keeps
+// the last logit row of its last pass in slot `slot` (< kKeptLogitRows: one per draft of a step), and
+// fetch_head_logits copies a kept row's logits of `ids`, or the whole row (logit ids long) when `ids` is
+// empty (DeviceExecutor::keep_logits, fetch_logits).
+void keep_head_logits(const Model& model, MtpState& state, int64_t slot);
+void fetch_head_logits(const Model& model, const MtpState& state, int64_t slot, std::span<const int32_t> ids,
+                       std::vector<float>& values);
+// A draw below a kept row's top ids on the device (BelowDraw, DeviceExecutor::draw_below).
+int32_t draw_below_head(const Model& model, const MtpState& state, int64_t slot, const BelowDraw& draw);
 
 void mtp_forward(const Model& model, MtpState& state, std::span<const float> hidden,
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,

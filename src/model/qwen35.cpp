@@ -183,10 +183,17 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   state.advance(T);
 }
 
-void Model::fetch_logits(const InferenceState& state, std::vector<float>& logits) const {
+void Model::fetch_logits(const InferenceState& state, int64_t row, std::span<const int32_t> ids,
+                         std::vector<float>& values) const {
   if (!executor_ || state.device() == nullptr)
     fail(ErrorKind::kInternal, "fetch_logits: the CPU's passes return their logits");
-  executor_->fetch_logits(*state.device(), logits);
+  executor_->fetch_logits(*state.device(), DeviceLogitRow{.index = row}, ids, values);
+}
+
+int32_t Model::draw_below(const InferenceState& state, int64_t row, const BelowDraw& draw) const {
+  if (!executor_ || state.device() == nullptr)
+    fail(ErrorKind::kInternal, "draw_below: the CPU's passes return their logits");
+  return executor_->draw_below(*state.device(), DeviceLogitRow{.index = row}, draw);
 }
 
 void Model::fail_non_finite(const std::string& what) const {

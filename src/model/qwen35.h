@@ -73,9 +73,13 @@ class Model {
                bool record_window = false, int64_t argmax_limit = 0, int64_t head_logit_ids = 0,
                CandidateRequest sample = {}) const;
 
-  // The logits of `state`'s last forward() on a device that returned candidates for a row sampled whole
-  // (CandidateRequest::rows_on_request), while no other pass has run on the device since: [rows, V].
-  void fetch_logits(const InferenceState& state, std::vector<float>& logits) const;
+  // Logits of logit row `row` of `state`'s last forward() on a device that returned candidates for rows
+  // sampled whole (CandidateRequest::rows_on_request), while no other pass has run on the device since:
+  // the whole row (V) when `ids` is empty, else those ids' (DeviceExecutor::fetch_logits).
+  void fetch_logits(const InferenceState& state, int64_t row, std::span<const int32_t> ids,
+                    std::vector<float>& values) const;
+  // A draw below that row's top ids on the device (BelowDraw, DeviceExecutor::draw_below).
+  int32_t draw_below(const InferenceState& state, int64_t row, const BelowDraw& draw) const;
 
   // Throws kInvalidInput for NaN or Inf that a forward pass produced (`what`: "logits at position 12"),
   // naming the checkpoint tensors that hold NaN or Inf: sampling from such logits would emit garbage.

@@ -98,7 +98,9 @@ std::vector<BenchResult> run_bench(const Model& model, const BenchProtocol& p,
             m.accepted_by_position[d] += g.stats.mtp.accepted_by_position[d];
           }
           produced_first_run[ci] += g.stats.generated_tokens - 1;
+          r.draws_below += g.stats.draws_below;
           r.logit_rows_fetched += g.stats.logit_rows_fetched;
+          r.logit_values_fetched += g.stats.logit_values_fetched;
         }
       }
       r.tok_s.push_back(seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);

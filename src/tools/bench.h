@@ -38,9 +38,11 @@ struct BenchResult {
   BenchCase spec;
   std::vector<double> tok_s;  // one per run
   double median_tok_s = 0.0, min_tok_s = 0.0, max_tok_s = 0.0;
-  MtpStats mtp;                    // summed over the first run's prompts
-  int64_t logit_rows_fetched = 0;  // likewise (GenerateStats::logit_rows_fetched)
-  double tokens_per_step = 1.0;    // generated tokens per forward pass of the trunk (decode phase)
+  MtpStats mtp;                      // summed over the first run's prompts
+  int64_t draws_below = 0;           // likewise (GenerateStats::draws_below)
+  int64_t logit_rows_fetched = 0;    // likewise (GenerateStats::logit_rows_fetched)
+  int64_t logit_values_fetched = 0;  // likewise (GenerateStats::logit_values_fetched)
+  double tokens_per_step = 1.0;      // generated tokens per forward pass of the trunk (decode phase)
   std::vector<double> acceptance_by_position;
 };
 

@@ -1752,6 +1752,88 @@ __global__ void topk_counts_kernel(const TopKRow* rows, int32_t* counts, double*
   }
 }
 
+// A draw below a row's top ids (draw_below): kDrawBlocks blocks each sum the weights of one contiguous
+// range of ids, then one block finds the range, the thread's stretch of it and the id where the running
+// sum passes the target, each step in id order.
+constexpr int kDrawBlocks = 64;
+constexpr int kDrawThreads = 256;
+
+__device__ __forceinline__ double weight_below(const float* row, int64_t i, float below, double inv_t,
+                                               double max_scaled) {
+  const float v = row[i];
+  return v < below ? exp(static_cast<double>(v) * inv_t - max_scaled) : 0.0;
+}
+
+__global__ void __launch_bounds__(kDrawThreads)
+    draw_below_sums_kernel(const float* __restrict__ row, int64_t limit, float below, double inv_t,
+                           double max_scaled, double* sums) {
+  __shared__ double scratch[32];
+  const int64_t range = (limit + kDrawBlocks - 1) / kDrawBlocks, begin = blockIdx.x * range,
+                end = min(limit, begin + range);
+  double sum = 0.0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x)
+    sum += weight_below(row, i, below, inv_t, max_scaled);
+  sum = block_sum(sum, scratch);
+  if (threadIdx.x == 0) sums[blockIdx.x] = sum;
+}
+
+__global__ void __launch_bounds__(kDrawThreads)
+    draw_below_find_kernel(const float* __restrict__ row, int64_t limit, float below, double inv_t,
+                           double max_scaled, double target, const double* __restrict__ sums, int32_t* out) {
+  __shared__ double stretch_sums[kDrawThreads];
+  __shared__ int64_t chosen_range;
+  __shared__ double target_in_range;
+  __shared__ int last_id[kDrawThreads];
+  if (threadIdx.x == 0) {  // the range holding the target; past every weight (rounding), the last weighing
+    double before = 0.0;
+    chosen_range = -1;
+    target_in_range = INFINITY;
+    for (int b = 0; b < kDrawBlocks; ++b) {
+      if (sums[b] <= 0.0) continue;
+      chosen_range = b;
+      if (target < before + sums[b]) {
+        target_in_range = target - before;
+        break;
+      }
+      before += sums[b];
+    }
+    if (chosen_range < 0) *out = -1;  // no id below the top
+  }
+  __syncthreads();
+  if (chosen_range < 0) return;
+  const int64_t range = (limit + kDrawBlocks - 1) / kDrawBlocks, begin = chosen_range * range,
+                end = min(limit, begin + range);
+  const int64_t stretch = (range + kDrawThreads - 1) / kDrawThreads, from = begin + threadIdx.x * stretch,
+                to = min(end, from + stretch);
+  double sum = 0.0;
+  int last = -1;
+  for (int64_t i = from; i < to; ++i) {
+    const double w = weight_below(row, i, below, inv_t, max_scaled);
+    sum += w;
+    if (row[i] < below) last = static_cast<int>(i);
+  }
+  stretch_sums[threadIdx.x] = sum;
+  last_id[threadIdx.x] = last;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  // The stretch holding the target, then the id in it; past every weight (rounding), the last id below.
+  double before = 0.0;
+  int t = 0;
+  while (t < kDrawThreads - 1 && before + stretch_sums[t] <= target_in_range) before += stretch_sums[t++];
+  const int64_t t_from = begin + t * stretch, t_to = min(end, t_from + stretch);
+  for (int64_t i = t_from; i < t_to; ++i) {
+    if (!(row[i] < below)) continue;
+    before += weight_below(row, i, below, inv_t, max_scaled);
+    if (target_in_range < before) {
+      *out = static_cast<int32_t>(i);
+      return;
+    }
+  }
+  int fallback = -1;
+  for (int u = 0; u < kDrawThreads; ++u) fallback = max(fallback, last_id[u]);
+  *out = fallback;  // -1: no id below (the range chosen had none: rounding at the last range)
+}
+
 }  // namespace
 
 namespace {
@@ -2228,6 +2310,19 @@ void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t l
     topk_mass_kernel<<<dim3(kTopKBlocks, n), 256, 0, s>>>(logits, vocab, limit, inv_temperature, state);
   topk_counts_kernel<<<n, 32, 0, s>>>(state, counts, inv_temperature > 0.0 ? masses : nullptr);
   check_launch("topk_candidates");
+}
+
+int64_t draw_below_scratch_bytes() { return kDrawBlocks * static_cast<int64_t>(sizeof(double)); }
+
+void draw_below(const float* row, int64_t limit, float below, double inv_temperature, double max_scaled,
+                double target, void* scratch, int32_t* out, void* stream) {
+  cudaStream_t s = as_stream(stream);
+  auto* sums = static_cast<double*>(scratch);
+  draw_below_sums_kernel<<<kDrawBlocks, kDrawThreads, 0, s>>>(row, limit, below, inv_temperature, max_scaled,
+                                                              sums);
+  draw_below_find_kernel<<<1, kDrawThreads, 0, s>>>(row, limit, below, inv_temperature, max_scaled, target,
+                                                    sums, out);
+  check_launch("draw_below");
 }
 
 }  // namespace mtpx::cuda

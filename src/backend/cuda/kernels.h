@@ -160,4 +160,15 @@ void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t l
                      double inv_temperature, int32_t* ids, float* values, int32_t* counts, double* masses,
                      void* scratch, void* stream);
 
+// A draw among the ids of a row below its top (the ids < limit whose logit is < `below`), each weighing
+// exp(logit * inv_temperature - max_scaled) (as topk_candidates' rest mass): *out = the first such id, in id
+// order, at which the running sum of the weights exceeds `target` (the last such id when none does, by
+// rounding; -1 when there is none). The inverse CDF of the ids below the top, in id order, at a point the
+// caller picks: a draw that lands below a row's top ids (decode/sampler.h) without copying the row. The
+// sums run in double in an order fixed by `limit` alone. scratch: device memory of
+// draw_below_scratch_bytes().
+int64_t draw_below_scratch_bytes();
+void draw_below(const float* row, int64_t limit, float below, double inv_temperature, double max_scaled,
+                double target, void* scratch, int32_t* out, void* stream);
+
 }  // namespace mtpx::cuda
