@@ -27,6 +27,8 @@ MTPX_AFFINE_ACTIVATIONS=f32 "$bin/mtpx_tests" --gtest_filter='*CudaQuantized*' -
 MTPX_BF16_ROWS=fma "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # The bf16 row kernels take their input's RMSNorm by default (kernels.h, RowNorm); again with a norm kernel first.
 MTPX_FUSED_NORMS=0 "$bin/mtpx_tests" --gtest_filter='*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
+# Kernels load weights and states before their griddep_wait by default (runtime.h, early_loads); again without.
+MTPX_EARLY_LOADS=0 "$bin/mtpx_tests" --gtest_filter='*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 passed=$(grep -c '^\[       OK \]' "$out/gpu_tests.log" || true)
 failed=$(grep -c '^\[  FAILED  \]' "$out/gpu_tests.log" || true)
 passed=$(grep -oP '\[  PASSED  \] \K[0-9]+' "$out/gpu_tests.log" | awk '{s += $1} END {print s + 0}')

@@ -17,6 +17,7 @@ namespace mtpx::cuda {
 namespace {
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 // Sum over the block in a fixed order (per warp, then the warps in index order). Every thread gets it.
@@ -78,6 +79,7 @@ struct GemvGroup {
   // bf16_tile_rows only: non-null: the activation rows are RMS-normalized first (RowNorm, kernels.h).
   const float* norm_weight;
   float norm_eps;
+  bool preload;  // bf16_tile_rows: the first pass's weights loaded before griddep_wait (early_loads())
 };
 
 template <typename W, int M, int MODE, int R>  // R weight rows per warp (swiglu: R/2 gate + R/2 up rows)
@@ -196,23 +198,10 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int r = MODE == kSwiglu ? row0 + lane % kTileRows : row0 + lane;
     prefetch_l2(w + static_cast<size_t>(min(r, rows - 1)) * cols, g.prefetch_bytes);
   }
-  griddep_wait();
-  griddep_launch_dependents();
-  float acc[kTiles][NT][4];
-#pragma unroll
-  for (int t = 0; t < kTiles; ++t)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[t][n][c] = 0.0f;
-  float squares[NT];  // NORM: the sum of x^2 over the lane's values of row n * 8 + grp
-#pragma unroll
-  for (int n = 0; n < NT; ++n) squares[n] = 0.0f;
   const int k_blocks = cols / kTileK;
   // U k-blocks per pass, all their loads issued before the first mma (past the end: not loaded, zero).
-  for (int kb0 = warp; kb0 < k_blocks; kb0 += U * WARPS) {
-    uint4 a_lo[U][kTiles][2], a_hi[U][kTiles][2];
-    float4 xv[U][NT][4];
+  uint4 a_lo[U][kTiles][2], a_hi[U][kTiles][2];
+  auto load_weights = [&](int kb0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kb = kb0 + u * WARPS, k = kb * kTileK;
@@ -225,6 +214,31 @@ __global__ void __launch_bounds__(WARPS * 32)
         a_hi[u][t][0] = in ? __ldg(reinterpret_cast<const uint4*>(w_hi[t] + k)) : zero;
         a_hi[u][t][1] = in ? __ldg(reinterpret_cast<const uint4*>(w_hi[t] + k + 8)) : zero;
       }
+    }
+  };
+  // The first pass's weights before the wait (no kernel writes them): their round trip overlaps the
+  // previous kernel's tail instead of following it (early_loads(); H200, BENCHMARKS.md session 20, with
+  // the DeltaNet state's: 0.8B decode 799 -> 830 tok/s, 9B 165.3 -> 166.7).
+  if (g.preload) load_weights(warp);
+  griddep_wait();
+  griddep_launch_dependents();
+  float acc[kTiles][NT][4];
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[t][n][c] = 0.0f;
+  float squares[NT];  // NORM: the sum of x^2 over the lane's values of row n * 8 + grp
+#pragma unroll
+  for (int n = 0; n < NT; ++n) squares[n] = 0.0f;
+  for (int kb0 = warp; kb0 < k_blocks; kb0 += U * WARPS) {
+    if (!g.preload || kb0 != warp) load_weights(kb0);
+    float4 xv[U][NT][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kb = kb0 + u * WARPS, k = kb * kTileK;
+      const bool in = kb < k_blocks;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const int m = n * 8 + grp;
@@ -331,6 +345,7 @@ void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cu
   // device). The residual products keep one tile per block: they have few tiles already (two tiles per
   // block took 9B decode from 182.5 to 176.2 tok/s). Which rows share a block changes no row's arithmetic.
   const int row_tiles = MODE == kStore && m <= 8 ? 2 : 1;
+  g.preload = early_loads();
   g.tasks_before[0] = 0;
   for (int i = 0; i < g.count; ++i)  // a task per row_tiles 16-row tiles
     g.tasks_before[i + 1] =
@@ -1105,27 +1120,34 @@ __global__ void __launch_bounds__(kConvPrepareThreads)
                         const float* __restrict__ b, const float* __restrict__ a,
                         const float* __restrict__ a_log, const float* __restrict__ dt_bias, int t_count,
                         int hk, int hv, int dk, int channels, int kc, float* __restrict__ x,
-                        float* __restrict__ conv_before, float* __restrict__ beta, float* __restrict__ g) {
-  griddep_wait();
-  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
+                        float* __restrict__ conv_before, float* __restrict__ beta, float* __restrict__ g,
+                        bool preload) {
   __shared__ float scratch[32];
   const int seg = blockIdx.x,
             v_blocks = (channels - 2 * hk * dk + kConvPrepareThreads - 1) / kConvPrepareThreads;
-  if (seg == 2 * hk + v_blocks) {  // the gates
+  const bool gates = seg == 2 * hk + v_blocks, qk = seg < 2 * hk;
+  const int ch =
+      qk ? seg * dk + threadIdx.x : 2 * hk * dk + (seg - 2 * hk) * kConvPrepareThreads + threadIdx.x;
+  const bool own = !gates && (qk ? static_cast<int>(threadIdx.x) < dk : ch < channels);
+  float old[kMaxConvKernel], out[kConvPrepareMaxRows];
+  // The conv state before the wait (early_loads()): the previous kernel (the in_proj product) does not
+  // write it, and every kernel before that one has completed once this one runs.
+  auto load_state = [&] {
+    if (own)
+      for (int r = 0; r < kc - 1; ++r) old[r] = conv_state[r * channels + ch];
+  };
+  if (preload) load_state();
+  griddep_wait();
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
+  if (!preload) load_state();
+  if (gates) {
     for (int i = threadIdx.x; i < t_count * hv; i += blockDim.x)
       deltanet_gates(i, i % hv, b, a, a_log, dt_bias, beta, g);
     return;
   }
-  const bool qk = seg < 2 * hk;
-  const int ch =
-      qk ? seg * dk + threadIdx.x : 2 * hk * dk + (seg - 2 * hk) * kConvPrepareThreads + threadIdx.x;
-  const bool own = qk ? static_cast<int>(threadIdx.x) < dk : ch < channels;
-  float old[kMaxConvKernel], out[kConvPrepareMaxRows];
   if (own) {
-    for (int r = 0; r < kc - 1; ++r) {
-      old[r] = conv_state[r * channels + ch];
-      if (conv_before != nullptr) conv_before[r * channels + ch] = old[r];
-    }
+    if (conv_before != nullptr)
+      for (int r = 0; r < kc - 1; ++r) conv_before[r * channels + ch] = old[r];
     auto row = [&](int r) { return r < kc - 1 ? old[r] : qkv[(r - (kc - 1)) * channels + ch]; };
 #pragma unroll
     for (int t = 0; t < kConvPrepareMaxRows; ++t) {
@@ -1166,9 +1188,7 @@ template <int DK>
 __global__ void delta_rule_kernel(const float* __restrict__ x, const float* __restrict__ g,
                                   const float* __restrict__ beta, const float* s_in, float* s_out,
                                   float* __restrict__ s_before, float* __restrict__ o, int64_t t_count,
-                                  int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim) {
-  griddep_wait();
-  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
+                                  int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim, bool preload) {
   constexpr int kPart = DK / kDeltaParts;
   static_assert(kPart % 4 == 0, "whole float4 per lane");
   __shared__ __align__(16) float qs[kDeltaChunk][DK];
@@ -1181,8 +1201,19 @@ __global__ void delta_rule_kernel(const float* __restrict__ x, const float* __re
   const bool active = j < dv;
   const size_t base = static_cast<size_t>(h) * DK * dv + static_cast<size_t>(part) * kPart * dv;
   float S[kPart];
+  // The state before the wait (early_loads()): the previous kernel (the conv) does not write it, and every
+  // kernel before that one has completed once this one runs (it called griddep_launch_dependents() only
+  // after its own wait), the previous step's delta rule and a rollback's included.
+  if (preload) {
 #pragma unroll
-  for (int i = 0; i < kPart; ++i) S[i] = active ? s_in[base + i * dv + j] : 0.0f;
+    for (int i = 0; i < kPart; ++i) S[i] = active ? s_in[base + i * dv + j] : 0.0f;
+  }
+  griddep_wait();
+  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
+  if (!preload) {
+#pragma unroll
+    for (int i = 0; i < kPart; ++i) S[i] = active ? s_in[base + i * dv + j] : 0.0f;
+  }
   if (s_before != nullptr && active) {
 #pragma unroll
     for (int i = 0; i < kPart; ++i) s_before[base + i * dv + j] = S[i];
@@ -2202,7 +2233,7 @@ void deltanet_conv_prepare(const float* qkv, float* conv_state, const float* con
   launch_pdl(conv_prepare_kernel, static_cast<unsigned>(2 * hk + v_blocks + 1), kConvPrepareThreads, 0,
              as_stream(stream), qkv, conv_state, conv_weight, b, a, a_log, dt_bias, static_cast<int>(t_count),
              static_cast<int>(hk), static_cast<int>(hv), static_cast<int>(dk), static_cast<int>(channels),
-             static_cast<int>(kc), x, conv_before, beta, g);
+             static_cast<int>(kc), x, conv_before, beta, g, early_loads());
   check_launch("deltanet_conv_prepare");
 }
 
@@ -2217,7 +2248,7 @@ void delta_rule(const float* x, const float* g, const float* beta, const float* 
 #define MTPX_DELTA_CASE(DK)                                                                               \
   case DK:                                                                                                \
     launch_pdl(delta_rule_kernel<DK>, grid, threads, 0, s, x, g, beta, s_in, s_out, s_before, o, t_count, \
-               hk, hv, dv, conv_dim);                                                                     \
+               hk, hv, dv, conv_dim, early_loads());                                                      \
     break;
     MTPX_DELTA_CASE(16)
     MTPX_DELTA_CASE(32)

@@ -208,6 +208,11 @@ bool fused_row_norms() {
   return enabled;
 }
 
+bool early_loads() {
+  static const bool enabled = unless_env("MTPX_EARLY_LOADS", "0");
+  return enabled;
+}
+
 int multiprocessor_count() {
   static const int count = [] {
     int device = 0, n = 0;
