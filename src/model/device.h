@@ -94,7 +94,7 @@ struct DeviceLogitRow {
   int64_t index = 0;
   bool kept = false;
 };
-inline constexpr int64_t kKeptLogitRows = 16;
+inline constexpr int64_t kKeptLogitRows = 8;  // kMaxDraft (decode/generate.h)
 
 // A draw among the ids of a row below its listed top ids (DeviceExecutor::draw_below): the ids < limit whose
 // logit is < below, each weighing exp(logit * inv_temperature - max_scaled), in id order; the draw is the

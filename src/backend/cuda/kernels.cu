@@ -17,7 +17,6 @@ namespace mtpx::cuda {
 namespace {
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
-
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 // Sum over the block in a fixed order (per warp, then the warps in index order). Every thread gets it.
@@ -79,7 +78,6 @@ struct GemvGroup {
   // bf16_tile_rows only: non-null: the activation rows are RMS-normalized first (RowNorm, kernels.h).
   const float* norm_weight;
   float norm_eps;
-  bool preload;  // bf16_tile_rows: the first pass's weights loaded before griddep_wait (early_loads())
 };
 
 template <typename W, int M, int MODE, int R>  // R weight rows per warp (swiglu: R/2 gate + R/2 up rows)
@@ -198,28 +196,6 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int r = MODE == kSwiglu ? row0 + lane % kTileRows : row0 + lane;
     prefetch_l2(w + static_cast<size_t>(min(r, rows - 1)) * cols, g.prefetch_bytes);
   }
-  const int k_blocks = cols / kTileK;
-  // U k-blocks per pass, all their loads issued before the first mma (past the end: not loaded, zero).
-  uint4 a_lo[U][kTiles][2], a_hi[U][kTiles][2];
-  auto load_weights = [&](int kb0) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kb = kb0 + u * WARPS, k = kb * kTileK;
-      const bool in = kb < k_blocks;
-#pragma unroll
-      for (int t = 0; t < kTiles; ++t) {
-        const uint4 zero = make_uint4(0, 0, 0, 0);
-        a_lo[u][t][0] = in ? __ldg(reinterpret_cast<const uint4*>(w_lo[t] + k)) : zero;
-        a_lo[u][t][1] = in ? __ldg(reinterpret_cast<const uint4*>(w_lo[t] + k + 8)) : zero;
-        a_hi[u][t][0] = in ? __ldg(reinterpret_cast<const uint4*>(w_hi[t] + k)) : zero;
-        a_hi[u][t][1] = in ? __ldg(reinterpret_cast<const uint4*>(w_hi[t] + k + 8)) : zero;
-      }
-    }
-  };
-  // The first pass's weights before the wait (no kernel writes them): their round trip overlaps the
-  // previous kernel's tail instead of following it (early_loads(); H200, BENCHMARKS.md session 20, with
-  // the DeltaNet state's: 0.8B decode 799 -> 830 tok/s, 9B 165.3 -> 166.7).
-  if (g.preload) load_weights(warp);
   griddep_wait();
   griddep_launch_dependents();
   float acc[kTiles][NT][4];
@@ -232,13 +208,23 @@ __global__ void __launch_bounds__(WARPS * 32)
   float squares[NT];  // NORM: the sum of x^2 over the lane's values of row n * 8 + grp
 #pragma unroll
   for (int n = 0; n < NT; ++n) squares[n] = 0.0f;
+  const int k_blocks = cols / kTileK;
+  // U k-blocks per pass, all their loads issued before the first mma (past the end: not loaded, zero).
   for (int kb0 = warp; kb0 < k_blocks; kb0 += U * WARPS) {
-    if (!g.preload || kb0 != warp) load_weights(kb0);
+    uint4 a_lo[U][kTiles][2], a_hi[U][kTiles][2];
     float4 xv[U][NT][4];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kb = kb0 + u * WARPS, k = kb * kTileK;
       const bool in = kb < k_blocks;
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        a_lo[u][t][0] = in ? __ldg(reinterpret_cast<const uint4*>(w_lo[t] + k)) : zero;
+        a_lo[u][t][1] = in ? __ldg(reinterpret_cast<const uint4*>(w_lo[t] + k + 8)) : zero;
+        a_hi[u][t][0] = in ? __ldg(reinterpret_cast<const uint4*>(w_hi[t] + k)) : zero;
+        a_hi[u][t][1] = in ? __ldg(reinterpret_cast<const uint4*>(w_hi[t] + k + 8)) : zero;
+      }
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const int m = n * 8 + grp;
@@ -345,7 +331,6 @@ void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cu
   // device). The residual products keep one tile per block: they have few tiles already (two tiles per
   // block took 9B decode from 182.5 to 176.2 tok/s). Which rows share a block changes no row's arithmetic.
   const int row_tiles = MODE == kStore && m <= 8 ? 2 : 1;
-  g.preload = early_loads();
   g.tasks_before[0] = 0;
   for (int i = 0; i < g.count; ++i)  // a task per row_tiles 16-row tiles
     g.tasks_before[i + 1] =

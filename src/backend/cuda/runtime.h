@@ -112,9 +112,9 @@ bool bf16_tensor_rows();
 // MTPX_FUSED_NORMS=0 (a norm kernel before each product). Read once.
 bool fused_row_norms();
 
-// Whether kernels launched under programmatic dependent launch load what no earlier kernel of the pass
-// writes (the bf16 row kernels' first weights, the DeltaNet state and conv state) before griddep_wait
-// (device_math.cuh): unless the environment sets MTPX_EARLY_LOADS=0. Read once.
+// Whether the DeltaNet kernels launched under programmatic dependent launch load the state no earlier
+// kernel of the pass writes (the delta rule's state, the conv state) before griddep_wait (device_math.cuh):
+// unless the environment sets MTPX_EARLY_LOADS=0. Read once.
 bool early_loads();
 
 // The current device's streaming multiprocessors. Read once.
