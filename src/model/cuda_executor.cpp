@@ -134,6 +134,11 @@ class CudaExecutor final : public DeviceExecutor {
   void copy_out(int64_t t_count, LogitRows rows, int64_t vocab, int64_t argmax_limit,
                 const CandidateRequest& sample, std::vector<float>& hidden, std::vector<float>& logits,
                 std::vector<int32_t>& argmax, LogitCandidates& candidates) const;
+  // The staging buffer, at least `bytes` long (only kAll passes need more than a row).
+  void* staging(size_t bytes) const {
+    if (staging_.bytes() < bytes) staging_ = cuda::PinnedBuffer(bytes);
+    return staging_.data();
+  }
   // Where a logit row of `seq` is on the device and its length (fetch_logits' rules); the mutex held.
   std::pair<const float*, int64_t> logit_row(const CudaSequence& seq, DeviceLogitRow row) const;
   // `count` floats from `from` (device) into `logits`, through the staging buffer.
@@ -225,8 +230,7 @@ class CudaExecutor final : public DeviceExecutor {
   mutable Buffer candidate_masses_;     // [rows, 2]: the candidates' and the rest's
   mutable Buffer candidate_scratch_;    // the select's state per row
   mutable Buffer draw_scratch_;         // draw_below's sums, then its result (made on first use)
-  mutable cuda::PinnedBuffer staging_;  // host side of the result copies  // [rows, V] of the last pass
-                                        // (grown on demand: only kAll passes need > 1 row)
+  mutable cuda::PinnedBuffer staging_;  // host side of the result copies (grown on demand: staging())
 };
 
 cuda::Dtype device_dtype(cpu::WeightType t) {
@@ -556,8 +560,7 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
                            : survivors
                                ? masses_bytes + counts_bytes + slots * (sizeof(int32_t) + sizeof(float))
                                : logits.size() * sizeof(float);
-  if (staging_.bytes() < hidden_bytes + out_bytes) staging_ = cuda::PinnedBuffer(hidden_bytes + out_bytes);
-  auto* host = static_cast<char*>(staging_.data());
+  auto* host = static_cast<char*>(staging(hidden_bytes + out_bytes));
   stream_.to_host(host, scratch_.hidden.data(), hidden_bytes);
   char* out = host + hidden_bytes;  // survivors: the masses (8-byte aligned), counts, ids, values
   char* counts_at = out + masses_bytes;
@@ -686,8 +689,7 @@ void CudaExecutor::fetch_logits(const DeviceSequence& sequence, DeviceLogitRow r
   if (ids.empty()) return logits_to_host(from, length, values);
   // One copy per id into the staging buffer, one wait (a draw needs a few ids at most).
   const size_t bytes = ids.size() * sizeof(float);
-  if (staging_.bytes() < bytes) staging_ = cuda::PinnedBuffer(bytes);
-  auto* host = static_cast<float*>(staging_.data());
+  auto* host = static_cast<float*>(staging(bytes));
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= length)
       fail(ErrorKind::kInternal, "fetch_logits: id {} of a row of {} logits", ids[i], length);
@@ -708,11 +710,11 @@ int32_t CudaExecutor::draw_below(const DeviceSequence& sequence, DeviceLogitRow 
   auto* out = reinterpret_cast<int32_t*>(static_cast<char*>(draw_scratch_.data()) + scratch_bytes);
   cuda::draw_below(from, draw.limit, draw.below, draw.inv_temperature, draw.max_scaled, draw.weight,
                    draw_scratch_.data(), out, stream_.handle());
-  if (staging_.bytes() < sizeof(int32_t)) staging_ = cuda::PinnedBuffer(sizeof(int32_t));
-  stream_.to_host(staging_.data(), out, sizeof(int32_t));
+  void* host = staging(sizeof(int32_t));
+  stream_.to_host(host, out, sizeof(int32_t));
   stream_.synchronize();
   int32_t id = -1;
-  std::memcpy(&id, staging_.data(), sizeof(id));
+  std::memcpy(&id, host, sizeof(id));
   if (id < 0) fail(ErrorKind::kInternal, "draw_below: no id of the row is below {}", draw.below);
   return id;
 }
@@ -738,10 +740,10 @@ void CudaExecutor::keep_logits(DeviceSequence& sequence, int64_t slot) const {
 void CudaExecutor::logits_to_host(const float* from, int64_t count, std::vector<float>& logits) const {
   logits.resize(static_cast<size_t>(count));
   const size_t bytes = logits.size() * sizeof(float);
-  if (staging_.bytes() < bytes) staging_ = cuda::PinnedBuffer(bytes);
-  stream_.to_host(staging_.data(), from, bytes);
+  void* host = staging(bytes);
+  stream_.to_host(host, from, bytes);
   stream_.synchronize();
-  std::memcpy(logits.data(), staging_.data(), bytes);
+  std::memcpy(logits.data(), host, bytes);
 }
 
 void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int64_t keep) const {

@@ -1189,16 +1189,14 @@ __global__ void delta_rule_kernel(const float* __restrict__ x, const float* __re
   // The state before the wait (early_loads()): the previous kernel (the conv) does not write it, and every
   // kernel before that one has completed once this one runs (it called griddep_launch_dependents() only
   // after its own wait), the previous step's delta rule and a rollback's included.
-  if (preload) {
+  auto load_state = [&] {
 #pragma unroll
     for (int i = 0; i < kPart; ++i) S[i] = active ? s_in[base + i * dv + j] : 0.0f;
-  }
+  };
+  if (preload) load_state();
   griddep_wait();
   griddep_launch_dependents();  // a row kernel after this one may start its prefetch
-  if (!preload) {
-#pragma unroll
-    for (int i = 0; i < kPart; ++i) S[i] = active ? s_in[base + i * dv + j] : 0.0f;
-  }
+  if (!preload) load_state();
   if (s_before != nullptr && active) {
 #pragma unroll
     for (int i = 0; i < kPart; ++i) s_before[base + i * dv + j] = S[i];
