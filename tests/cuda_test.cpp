@@ -821,6 +821,135 @@ TEST(Cuda, Bf16RowProductsAreAccurateAndBatchInvariant) {
 #endif
 
 #if MTPX_HAVE_CUDA
+// The 4-bit row kernels (affine.cu) against a double-precision product of the dequantized weights
+// (weight = scale * code + bias), and each activation row bit for bit as in the widest launch: stored
+// products (a group of two), the residual update and SwiGLU. Shapes: few rows of many columns (the row's runs
+// split over 2 warps of a block, one with 65 runs per warp, not a multiple of the 32 lanes), many rows (one
+// warp per task) and short rows. The kernel takes the activations as int8 per run of 32 values (s =
+// max|x| / 127, affine.cu): each product may be off by up to sum_k |weight_k| * s_run(k) / 2 from that, and
+// by float rounding (5e-5 of sum_k |weight_k x_k|).
+TEST(Cuda, FourBitRowProductsAreAccurateAndBatchInvariant) {
+  if (const std::string why = cuda::unavailable_reason(); !why.empty()) GTEST_SKIP() << why;
+  const cuda::Stream stream;
+  const cuda::Workspace ws{stream.handle(), stream.cublas(), nullptr, nullptr};
+  std::mt19937 rng(23);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<uint32_t> word(0, 0xffffffffu);
+  constexpr int64_t kMaxM = cuda::kGemmMinRows - 1, kGroup = 64;
+  struct Shape {
+    int64_t rows, cols;
+  };
+  for (const Shape shape :
+       {Shape{40, 4096}, Shape{33, 4160}, Shape{24, 2048}, Shape{9000, 256}, Shape{7, 192}}) {
+    const int64_t R = shape.rows, C = shape.cols, G = C / kGroup;
+    SCOPED_TRACE(std::to_string(R) + " x " + std::to_string(C));
+    std::vector<cuda::Buffer> buffers;
+    std::vector<std::vector<double>> w(2, std::vector<double>(static_cast<size_t>(R * C)));
+    cuda::Matrix mats[2];
+    for (int i = 0; i < 2; ++i) {
+      std::vector<uint32_t> codes(static_cast<size_t>(R * C / 8));
+      for (uint32_t& c : codes) c = word(rng);
+      std::vector<uint16_t> scales(static_cast<size_t>(R * G)), biases(scales.size());
+      for (size_t e = 0; e < scales.size(); ++e) {
+        scales[e] = f32_to_bf16(0.01f * (1.0f + 0.5f * std::fabs(normal(rng))));
+        biases[e] = f32_to_bf16(-0.08f + 0.02f * normal(rng));
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t k = 0; k < C; ++k) {
+          const size_t at = static_cast<size_t>(r * C + k), g = static_cast<size_t>(r * G + k / kGroup);
+          const uint32_t code = codes[at / 8] >> (4 * (at % 8)) & 0xfu;
+          w[i][at] = static_cast<double>(bf16_to_f32(scales[g])) * code + bf16_to_f32(biases[g]);
+        }
+      buffers.emplace_back(codes.size() * sizeof(uint32_t));
+      stream.to_device(buffers.back().data(), codes.data(), codes.size() * sizeof(uint32_t));
+      const void* codes_dev = buffers.back().data();
+      buffers.emplace_back(scales.size() * sizeof(uint16_t));
+      stream.to_device(buffers.back().data(), scales.data(), scales.size() * sizeof(uint16_t));
+      const void* scales_dev = buffers.back().data();
+      buffers.emplace_back(biases.size() * sizeof(uint16_t));
+      stream.to_device(buffers.back().data(), biases.data(), biases.size() * sizeof(uint16_t));
+      mats[i] = cuda::Matrix{cuda::Dtype::kAffine, codes_dev, R, C, 4, kGroup, cuda::Dtype::kBF16, scales_dev,
+                             buffers.back().data()};
+    }
+    std::vector<float> x(static_cast<size_t>(kMaxM * C)), y0(static_cast<size_t>(kMaxM * R));
+    for (float& v : x) v = normal(rng) * (normal(rng) > 1.5f ? 30.0f : 1.0f);
+    for (float& v : y0) v = normal(rng);
+    std::vector<double> run_step(x.size());  // s_run / 2 for each activation
+    for (size_t run = 0; run < x.size() / 32; ++run) {
+      double peak = 0;
+      for (size_t k = 32 * run; k < 32 * run + 32; ++k) peak = std::max(peak, std::fabs(double{x[k]}));
+      for (size_t k = 32 * run; k < 32 * run + 32; ++k) run_step[k] = peak / 127 / 2;
+    }
+    cuda::Buffer x_dev(x.size() * sizeof(float)),
+        y_dev[2] = {cuda::Buffer(y0.size() * sizeof(float)), cuda::Buffer(y0.size() * sizeof(float))};
+    stream.to_device(x_dev.data(), x.data(), x.size() * sizeof(float));
+    // sum_k w x, with its bound: sum_k |w| s_run / 2 + 5e-5 sum_k |w x|.
+    auto dot = [&](int i, int64_t m, int64_t r, double& bound) {
+      double sum = 0, step = 0, magnitude = 0;
+      for (int64_t k = 0; k < C; ++k) {
+        const double wk = w[i][static_cast<size_t>(r * C + k)];
+        const size_t at = static_cast<size_t>(m * C + k);
+        sum += wk * x[at], magnitude += std::fabs(wk * x[at]), step += std::fabs(wk) * run_step[at];
+      }
+      bound = step + 5e-5 * magnitude + 1e-6;
+      return sum;
+    };
+    auto silu = [](double v) { return v / (1 + std::exp(-v)); };
+    for (const std::string mode : {"group", "accumulate", "swiglu"}) {
+      SCOPED_TRACE(mode);
+      std::vector<float> widest;  // the outputs of a kMaxM-row launch
+      for (int64_t M : {kMaxM, int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{8}, int64_t{9}}) {
+        stream.to_device(y_dev[0].data(), y0.data(), y0.size() * sizeof(float));
+        float* const ys[2] = {y_dev[0].as<float>(), y_dev[1].as<float>()};
+        if (mode == "group")
+          cuda::matmul_group(mats, ys, 2, x_dev.as<float>(), M, ws);
+        else if (mode == "accumulate")
+          cuda::matmul(mats[0], x_dev.as<float>(), M, ys[0], /*accumulate=*/true, ws);
+        else
+          cuda::matmul_swiglu(mats[0], mats[1], x_dev.as<float>(), M, ys[0], ys[1], ws);
+        const int outputs = mode == "group" ? 2 : 1;
+        std::vector<float> y(static_cast<size_t>(M * R) * outputs);
+        for (int out = 0; out < outputs; ++out)
+          stream.to_host(y.data() + out * M * R, y_dev[out].data(),
+                         static_cast<size_t>(M * R) * sizeof(float));
+        stream.synchronize();
+        if (M == kMaxM) {  // the values once (the other launches are compared bit for bit with this one)
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t r = 0; r < R; ++r) {
+              const size_t at = static_cast<size_t>(m * R + r);
+              double bound0 = 0, bound1 = 0;
+              const double d0 = dot(0, m, r, bound0);
+              if (mode == "group") {
+                const double d1 = dot(1, m, r, bound1);
+                ASSERT_NEAR(y[at], d0, bound0) << "matrix 0, row " << m << ", feature " << r;
+                ASSERT_NEAR(y[static_cast<size_t>(M * R) + at], d1, bound1)
+                    << "matrix 1, row " << m << ", feature " << r;
+              } else if (mode == "accumulate") {
+                ASSERT_NEAR(y[at], y0[at] + d0, bound0 + 1e-6 * std::fabs(y0[at]))
+                    << "row " << m << ", feature " << r;
+              } else {
+                const double up = dot(1, m, r, bound1);
+                // silu' is within [-0.1, 1.1]: |silu(a) - silu(b)| <= 1.1 |a - b|.
+                const double bound = 1.1 * bound0 * (std::fabs(up) + bound1) + std::fabs(silu(d0)) * bound1;
+                ASSERT_NEAR(y[at], silu(d0) * up, bound + 1e-6) << "row " << m << ", feature " << r;
+              }
+            }
+          widest = y;
+          continue;
+        }
+        for (int64_t m = 0; m < M; ++m)  // row m as in the widest launch, bit for bit
+          for (int out = 0; out < outputs; ++out)
+            ASSERT_EQ(0,
+                      std::memcmp(&y[static_cast<size_t>(out * M * R + m * R)],
+                                  &widest[static_cast<size_t>(out * kMaxM * R + m * R)], R * sizeof(float)))
+                << M << " rows launched: row " << m << ", output " << out;
+      }
+    }
+  }
+}
+#endif
+
+#if MTPX_HAVE_CUDA
 // The prompt path's chunked delta rule (§4.3) and the recurrence of decode and verify windows (§4.2) against
 // a double-precision recurrence on the host: outputs and the final state, for prompts shorter than a chunk,
 // of whole chunks and with a partial last chunk, state columns not a multiple of the scan's 32, and two

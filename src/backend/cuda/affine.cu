@@ -203,23 +203,32 @@ __device__ void quantize_runs(const float* __restrict__ x, int x_stride, int run
   }
 }
 
-template <int M, int MODE, int R, int U>  // R weight rows per warp (swiglu: R/2 gate + R/2 up rows)
+// R weight rows per warp (swiglu: R/2 gate + R/2 up rows), U runs in flight per lane, S warps per task.
+template <int M, int MODE, int R, int U, int S>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     affine4_int8_rows(const AffineGroup g, const float* __restrict__ x, int x_stride) {
   extern __shared__ int4 shared[];
-  const int runs = g.cols / kRun, lane = threadIdx.x % 32;
-  const int total_warps = g.warps_before[g.count], grid_warps = gridDim.x * kGemvWarps;
+  __shared__ float partial[S > 1 ? kGemvWarps : 1][R][M];  // S > 1: each warp's sums, added in slice order
+  const int runs = g.cols / kRun, lane = threadIdx.x % 32, warp_in_block = threadIdx.x / 32;
+  const int total_tasks = g.warps_before[g.count];
   int4* xq = shared;  // [M][2][runs]: per run, the words of even-index bytes, then of odd-index bytes
   float* xscale = reinterpret_cast<float*>(xq + 2 * M * runs);
   float* xsum = xscale + M * runs;
   const int per_matrix = MODE == kSwiglu ? R / 2 : R;
   const int words_per_row = g.cols / 8;
-  // The rows of task `warp`: matrix j, rows row0 .. row0 + per_matrix - 1 (past the end: the last row,
+  // A task is R weight rows; S warps of a block share one, warp s taking the runs of slice s.
+  constexpr int per_block = kGemvWarps / S;
+  // (S == 1 spelled out so that its code is the one-warp-per-task kernel's, register for register.)
+  const int slice = S == 1 ? 0 : warp_in_block % S;
+  const int slice_runs = (runs + S - 1) / S;
+  const int run_begin = S == 1 ? 0 : min(runs, slice * slice_runs);
+  const int run_end = S == 1 ? runs : min(runs, run_begin + slice_runs);
+  // The rows of task `task`: matrix j, rows row0 .. row0 + per_matrix - 1 (past the end: the last row,
   // computed and not stored).
-  auto rows_of = [&](int warp, int& j, int& row0, const uint4*(&wr)[R], size_t(&sb)[R]) {
+  auto rows_of = [&](int task, int& j, int& row0, const uint4*(&wr)[R], size_t(&sb)[R]) {
     j = 0;
-    while (warp >= g.warps_before[j + 1]) ++j;
-    row0 = (warp - g.warps_before[j]) * per_matrix;
+    while (task >= g.warps_before[j + 1]) ++j;
+    row0 = (task - g.warps_before[j]) * per_matrix;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int mi = MODE == kSwiglu ? (i < R / 2 ? 0 : 1) : j;
@@ -228,76 +237,103 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
       sb[i] = static_cast<size_t>(r) * g.groups;
     }
   };
-  const int first = blockIdx.x * kGemvWarps + threadIdx.x / 32;
-  if (first < total_warps) {
+  const int first = blockIdx.x * per_block + warp_in_block / S;
+  if (first < total_tasks) {
     int j, row0;
     const uint4* wr[R];
     size_t sb[R];
     rows_of(first, j, row0, wr, sb);
+    const uint32_t bytes =
+        S == 1 ? g.prefetch_bytes
+               : min(g.prefetch_bytes / S / 16 * 16, static_cast<uint32_t>(run_end - run_begin) * 16);
 #pragma unroll
     for (int i = 0; i < R; ++i)
-      if (lane == i) prefetch_l2(wr[i], g.prefetch_bytes);
+      if (lane == i) prefetch_l2(wr[i] + run_begin, bytes);
   }
   griddep_wait();
   griddep_launch_dependents();
   quantize_runs<M>(x, x_stride, runs, xq, xscale, xsum);
   __syncthreads();
-  for (int warp = first; warp < total_warps; warp += grid_warps) {
+  // S > 1: the whole block takes each step (its warps meet at __syncthreads), tasks past the end idle.
+  for (int step = S == 1 ? first : blockIdx.x * per_block; step < total_tasks;
+       step += gridDim.x * per_block) {
+    const int task = S == 1 ? step : step + warp_in_block / S;
     int j, row0;
-    const uint4* wr[R];
-    size_t sb[R];
-    rows_of(warp, j, row0, wr, sb);
-    const void* scales[R];
-    const void* biases[R];
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int mi = MODE == kSwiglu ? (i < R / 2 ? 0 : 1) : j;
-      scales[i] = g.scales[mi], biases[i] = g.biases[mi];
-    }
     float acc[R][M];
+    auto zero = [&] {
 #pragma unroll
-    for (int i = 0; i < R; ++i)
+      for (int i = 0; i < R; ++i)
 #pragma unroll
-      for (int m = 0; m < M; ++m) acc[i][m] = 0.0f;
-#pragma unroll U
-    for (int r = lane; r < runs; r += 32) {
-      const int grp = (r * kRun) >> g.group_log2;
-      uint32_t lo[R][4], hi[R][4];
-      float scale[R], bias[R];
+        for (int m = 0; m < M; ++m) acc[i][m] = 0.0f;
+    };
+    if constexpr (S > 1) zero();  // an idle warp's share of the sums
+    if (S == 1 || task < total_tasks) {
+      const uint4* wr[R];
+      size_t sb[R];
+      rows_of(task, j, row0, wr, sb);
+      const void* scales[R];
+      const void* biases[R];
 #pragma unroll
       for (int i = 0; i < R; ++i) {
-        const uint4 w = __ldg(wr[i] + r);
-        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          lo[i][c] = words[c] & 0x0f0f0f0fu, hi[i][c] = (words[c] >> 4) & 0x0f0f0f0fu;
-        scale[i] = scale_at(scales[i], sb[i] + grp, g.scales_f32);
-        bias[i] = scale_at(biases[i], sb[i] + grp, g.scales_f32);
+        const int mi = MODE == kSwiglu ? (i < R / 2 ? 0 : 1) : j;
+        scales[i] = g.scales[mi], biases[i] = g.biases[mi];
       }
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const int4 a = xq[(2 * m) * runs + r], b = xq[(2 * m + 1) * runs + r];
-        const int even[4] = {a.x, a.z, b.x, b.z}, odd[4] = {a.y, a.w, b.y, b.w};
-        const float s = xscale[m * runs + r], total = xsum[m * runs + r];
+      if constexpr (S == 1) zero();  // (here, as before slices: the same registers)
+#pragma unroll U
+      for (int r = run_begin + lane; r < run_end; r += 32) {
+        const int grp = (r * kRun) >> g.group_log2;
+        uint32_t lo[R][4], hi[R][4];
+        float scale[R], bias[R];
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-          int d = 0;
+          const uint4 w = __ldg(wr[i] + r);
+          const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            d = __dp4a(static_cast<int>(lo[i][c]), even[c], d);
-            d = __dp4a(static_cast<int>(hi[i][c]), odd[c], d);
+          for (int c = 0; c < 4; ++c)
+            lo[i][c] = words[c] & 0x0f0f0f0fu, hi[i][c] = (words[c] >> 4) & 0x0f0f0f0fu;
+          scale[i] = scale_at(scales[i], sb[i] + grp, g.scales_f32);
+          bias[i] = scale_at(biases[i], sb[i] + grp, g.scales_f32);
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const int4 a = xq[(2 * m) * runs + r], b = xq[(2 * m + 1) * runs + r];
+          const int even[4] = {a.x, a.z, b.x, b.z}, odd[4] = {a.y, a.w, b.y, b.w};
+          const float s = xscale[m * runs + r], total = xsum[m * runs + r];
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            int d = 0;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              d = __dp4a(static_cast<int>(lo[i][c]), even[c], d);
+              d = __dp4a(static_cast<int>(hi[i][c]), odd[c], d);
+            }
+            acc[i][m] = fmaf(scale[i] * s, static_cast<float>(d), fmaf(bias[i], total, acc[i][m]));
           }
-          acc[i][m] = fmaf(scale[i] * s, static_cast<float>(d), fmaf(bias[i], total, acc[i][m]));
         }
       }
+      // finish_rows (device_math.cuh), written out: called here it moved the register allocation of the
+      // several-row variants (M = 3: 128 -> 136 registers, one block per SM instead of two).
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[i][m] = warp_sum(acc[i][m]);
     }
-    // finish_rows (device_math.cuh), written out: called here it moved the register allocation of the
-    // several-row variants (M = 3: 128 -> 136 registers, one block per SM instead of two).
+    if constexpr (S > 1) {  // the slices' sums, added in slice order by the task's first warp
+      if (lane == 0)
 #pragma unroll
-    for (int i = 0; i < R; ++i)
+        for (int i = 0; i < R; ++i)
 #pragma unroll
-      for (int m = 0; m < M; ++m) acc[i][m] = warp_sum(acc[i][m]);
-    if (lane != 0) continue;
+          for (int m = 0; m < M; ++m) partial[warp_in_block][i][m] = acc[i][m];
+      __syncthreads();
+      if (slice == 0 && lane == 0)
+        for (int s = 1; s < S; ++s)
+#pragma unroll
+          for (int i = 0; i < R; ++i)
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[i][m] += partial[warp_in_block + s][i][m];
+      __syncthreads();  // partial is written again by the next task
+    }
+    if (lane != 0 || slice != 0 || (S > 1 && task >= total_tasks)) continue;
     float* y = g.y[j];
 #pragma unroll
     for (int i = 0; i < per_matrix; ++i) {
@@ -325,9 +361,9 @@ size_t int8_activation_bytes(int m, int cols) {
 // At most this much per block (of the 227 KiB an SM of sm_90 offers one block).
 constexpr size_t kMaxInt8ActivationBytes = 200 << 10;
 
-template <int M, int MODE, int R, int U>
-void launch_int8(const AffineGroup& g, const float* x, int x_stride, int total_warps, cudaStream_t s) {
-  auto kernel = affine4_int8_rows<M, MODE, R, U>;
+template <int M, int MODE, int R, int U, int S>
+void launch_int8(const AffineGroup& g, const float* x, int x_stride, int total_tasks, cudaStream_t s) {
+  auto kernel = affine4_int8_rows<M, MODE, R, U, S>;
   static const bool configured = [&] {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(kMaxInt8ActivationBytes)) == cudaSuccess;
@@ -338,7 +374,8 @@ void launch_int8(const AffineGroup& g, const float* x, int x_stride, int total_w
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvWarps * 32, smem) != cudaSuccess ||
       per_sm < 1)
     fail(ErrorKind::kInternal, "CUDA: the int8 row kernel fits no SM ({} bytes of shared memory)", smem);
-  const int blocks = std::min((total_warps + kGemvWarps - 1) / kGemvWarps, per_sm * multiprocessor_count());
+  constexpr int per_block = kGemvWarps / S;
+  const int blocks = std::min((total_tasks + per_block - 1) / per_block, per_sm * multiprocessor_count());
   launch_pdl(kernel, static_cast<unsigned>(blocks), kGemvWarps * 32, smem, s, g, x, x_stride);
 }
 
@@ -389,6 +426,16 @@ __global__ void affine_rows_generic(const AffineGroup g, const float* __restrict
   }
 }
 
+// Warps that share a task of the int8 row kernel: a product of few rows (the residual updates: 4096 rows of
+// 4096 or 12288 columns on the 9B shape, 2048 tasks of 2 rows, 16 warps per SM) splits each row's runs
+// over 2 warps, so that twice as many loads are in flight. A function of the matrix shape only, never of
+// the activation rows: each row's sum takes the same order in every launch (batch invariance).
+int int8_slices(int mode, int64_t total_rows, int runs) {
+  if (mode == kSwiglu || !int8_row_slices()) return 1;
+  const int64_t resident_warps = int64_t{4} * kGemvWarps * multiprocessor_count();
+  return total_rows <= resident_warps && runs >= 2 * 32 ? 2 : 1;
+}
+
 // The 4-bit rows with int8 activations, in launches of at most 8 activation rows and as many as fit the
 // shared memory (each row's arithmetic is the same in any launch).
 template <int MODE>
@@ -400,6 +447,7 @@ void launch_rows_int8(AffineGroup g, const float* x, int64_t m, int64_t total_ro
   const int64_t fit = static_cast<int64_t>(kMaxInt8ActivationBytes / int8_activation_bytes(1, g.cols));
   const int64_t per_launch = std::min<int64_t>(kMaxRowsPerLaunch, fit);
   if (per_launch < 1) fail(ErrorKind::kUnsupported, "CUDA: 4-bit rows of {} columns", g.cols);
+  const int slices = int8_slices(MODE, total_rows, g.cols / kRun);
   for (int64_t m0 = 0; m0 < m; m0 += per_launch) {
     const int mc = static_cast<int>(std::min<int64_t>(per_launch, m - m0));
     const bool four = mc > 1 && (MODE == kSwiglu || total_rows >= 8192);
@@ -410,16 +458,25 @@ void launch_rows_int8(AffineGroup g, const float* x, int64_t m, int64_t total_ro
       part.warps_before[i + 1] = part.warps_before[i] + (g.rows[i] + per_matrix - 1) / per_matrix;
       part.y[i] = g.y[i] + m0 * g.rows[i];
     }
-    const int total_warps = part.warps_before[g.count];
+    const int total_tasks = part.warps_before[g.count];
     const float* xp = x + m0 * g.cols;
     auto launch = [&](auto m_constant) {
       constexpr int M = decltype(m_constant)::value;
-      if constexpr (M == 1)
-        launch_int8<M, MODE, 2, 4>(part, xp, g.cols, total_warps, s);
-      else if (four)
-        launch_int8<M, MODE, 4, 2>(part, xp, g.cols, total_warps, s);
-      else if constexpr (MODE != kSwiglu)
-        launch_int8<M, MODE, 2, 2>(part, xp, g.cols, total_warps, s);
+      auto with_slices = [&](auto s_constant) {
+        constexpr int S = decltype(s_constant)::value;
+        if constexpr (M == 1)
+          launch_int8<M, MODE, 2, 4, S>(part, xp, g.cols, total_tasks, s);
+        else if (four)
+          launch_int8<M, MODE, 4, 2, S>(part, xp, g.cols, total_tasks, s);
+        else if constexpr (MODE != kSwiglu)
+          launch_int8<M, MODE, 2, 2, S>(part, xp, g.cols, total_tasks, s);
+      };
+      if constexpr (MODE == kSwiglu)
+        with_slices(std::integral_constant<int, 1>{});
+      else if (slices == 2)
+        with_slices(std::integral_constant<int, 2>{});
+      else
+        with_slices(std::integral_constant<int, 1>{});
     };
     switch (mc) {
 #define MTPX_INT8_CASE(M)                     \

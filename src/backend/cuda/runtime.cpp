@@ -213,6 +213,11 @@ bool early_loads() {
   return enabled;
 }
 
+bool int8_row_slices() {
+  static const bool enabled = unless_env("MTPX_INT8_SLICES", "1");
+  return enabled;
+}
+
 int multiprocessor_count() {
   static const int count = [] {
     int device = 0, n = 0;

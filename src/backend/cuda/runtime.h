@@ -117,6 +117,10 @@ bool fused_row_norms();
 // unless the environment sets MTPX_EARLY_LOADS=0. Read once.
 bool early_loads();
 
+// Whether the 4-bit row kernels split each row of a product of few rows over 2 warps (affine.cu,
+// int8_slices): unless the environment sets MTPX_INT8_SLICES=1 (one warp per row everywhere). Read once.
+bool int8_row_slices();
+
 // The current device's streaming multiprocessors. Read once.
 int multiprocessor_count();
 
