@@ -223,9 +223,10 @@ TEST_P(MatmulTest, PrefixLastMatchesMatmul) {
       std::vector<float> expected(static_cast<size_t>(m * rows), NAN);
       matmul(w.view, x.data(), m, expected.data());
       if (threads == 1) one_thread = expected;
-      if (m < kGemmMinRows)  // the small-M kernels: each row's value independent of the thread count
+      if (m < kGemmMinRows) {  // the small-M kernels: each row's value independent of the thread count
         ASSERT_EQ(0, std::memcmp(one_thread.data(), expected.data(), expected.size() * sizeof(float)))
             << "m=" << m << " threads=" << threads;
+      }
       for (int64_t prefix : {0, 1, 16, 17, 150, 299, 300, 400}) {
         std::vector<float> got(expected.size(), NAN);  // every output must be written
         matmul_prefix_last(w.view, x.data(), m, got.data(), prefix);
