@@ -450,7 +450,8 @@ void launch_rows_int8(AffineGroup g, const float* x, int64_t m, int64_t total_ro
   const int slices = int8_slices(MODE, total_rows, g.cols / kRun);
   for (int64_t m0 = 0; m0 < m; m0 += per_launch) {
     const int mc = static_cast<int>(std::min<int64_t>(per_launch, m - m0));
-    const bool four = mc > 1 && (MODE == kSwiglu || total_rows >= 8192);
+    // Split rows (slices == 2) keep 2-row tasks: the launch below compiles no 4-row split kernel.
+    const bool four = mc > 1 && slices == 1 && (MODE == kSwiglu || total_rows >= 8192);
     const int per_matrix = MODE == kSwiglu ? (four ? 2 : 1) : four ? 4 : 2;
     AffineGroup part = g;
     part.warps_before[0] = 0;
@@ -466,6 +467,8 @@ void launch_rows_int8(AffineGroup g, const float* x, int64_t m, int64_t total_ro
         constexpr int S = decltype(s_constant)::value;
         if constexpr (M == 1)
           launch_int8<M, MODE, 2, 4, S>(part, xp, g.cols, total_tasks, s);
+        else if constexpr (S > 1)
+          launch_int8<M, MODE, 2, 2, S>(part, xp, g.cols, total_tasks, s);
         else if (four)
           launch_int8<M, MODE, 4, 2, S>(part, xp, g.cols, total_tasks, s);
         else if constexpr (MODE != kSwiglu)
