@@ -27,6 +27,8 @@ MTPX_AFFINE_ACTIVATIONS=f32 "$bin/mtpx_tests" --gtest_filter='*CudaQuantized*' -
 MTPX_INT8_SLICES=1 "$bin/mtpx_tests" --gtest_filter='Cuda.FourBit*:*CudaQuantized*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # bf16 rows run on tensor cores by default (kernels.cu, bf16_tile_rows); the bf16 tests run again on the FMA kernel.
 MTPX_BF16_ROWS=fma "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
+# Up to 4 bf16 rows stream their weights through shared memory by default (bf16_stream_rows); again without.
+MTPX_BF16_STREAM=0 "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # The bf16 row kernels take their input's RMSNorm by default (kernels.h, RowNorm); again with a norm kernel first.
 MTPX_FUSED_NORMS=0 "$bin/mtpx_tests" --gtest_filter='*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # Kernels load weights and states before their griddep_wait by default (runtime.h, early_loads); again without.

@@ -710,9 +710,11 @@ TEST(Cuda, Bf16RowProductsAreAccurateAndBatchInvariant) {
     int64_t rows, cols;
   };
   // 72 x 1024: stored products take two tiles per block, the last one half past the end; 40 x 4096: a
-  // residual product of few tiles and many k-blocks splits k over 16 warps.
-  for (const Shape shape :
-       {Shape{40, 256}, Shape{16, 128}, Shape{7, 64}, Shape{33, 72}, Shape{72, 1024}, Shape{40, 4096}}) {
+  // residual product of few tiles and many k-blocks splits k over 16 warps; 9000 x 320: more tasks than
+  // multiprocessors, so the streamed kernel's persistent blocks take several tasks each and its rings wrap
+  // (5 k-blocks over 8 warps: some warps have none).
+  for (const Shape shape : {Shape{40, 256}, Shape{16, 128}, Shape{7, 64}, Shape{33, 72}, Shape{72, 1024},
+                            Shape{40, 4096}, Shape{9000, 320}}) {
     const int64_t R = shape.rows, C = shape.cols;
     SCOPED_TRACE(std::to_string(R) + " x " + std::to_string(C));
     // Matrices 0 and 1 (the group; gate and up for SwiGLU), bf16 values kept as doubles for the reference.

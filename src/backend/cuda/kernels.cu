@@ -322,6 +322,288 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
+// ---- bf16 rows streamed through shared memory: bf16_tile_rows' arithmetic (the same fragments, k order,
+// mma order and warp-order sum, so every output is bit for bit the tile kernel's and batch invariance holds
+// across the two) with the weights moved by cp.async into a ring of stages per warp instead of loaded into
+// registers pass by pass. Why: a tile block loads one pass of weights, waits a DRAM round trip, computes,
+// and loads the next, so each SM's loads come in bursts with idle memory between them, and a block only
+// starts loading when it is scheduled (ncu, session 17: the 9B SwiGLU product at 76% of copy bandwidth, the
+// residual ones at 65%). Here the blocks are persistent (one per multiprocessor, stepping over the tasks),
+// each warp keeps `stages` stages of kStageBlocks k-blocks in flight across task boundaries, and the first
+// are requested before griddep_wait (weights are never written by an earlier kernel), so the stream does not
+// stop at the kernel boundary either. The activations of a stage follow it once the wait has passed.
+// Each k-block of a stage: kTiles tiles of 16 rows x 128 bytes, the 16-byte piece p of row r at position
+// p ^ (r % 8), so the lanes' 16-byte fragment reads hit distinct banks; then NORM's 64 weights; then the
+// activation rows' 64 floats each.
+__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(global) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+// Waits until at most `pending` of the lane's newest groups are in flight (wait_group takes an immediate).
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+  switch (pending) {
+    case 7:
+      return cp_async_wait<7>();
+    case 6:
+      return cp_async_wait<6>();
+    case 5:
+      return cp_async_wait<5>();
+    case 4:
+      return cp_async_wait<4>();
+    case 3:
+      return cp_async_wait<3>();
+    case 2:
+      return cp_async_wait<2>();
+    case 1:
+      return cp_async_wait<1>();
+    default:
+      return cp_async_wait<0>();
+  }
+}
+
+constexpr int kMaxStages = 8;  // cp_async_wait_pending's cases
+// Ring geometry, measured on the H200 (BENCHMARKS.md, session 22; 9B / 0.8B decode tok/s against 181.5 /
+// 930.3 for bf16_tile_rows in the same call): two k-blocks per stage and 192 KiB of ring per block, one block
+// per multiprocessor: 191.7 / 938.7. One k-block per stage: 171.0 / 847.8 (the loop's bookkeeping per 2 KB
+// of weights); two blocks of 96 KiB per multiprocessor: 177.8 / 967.7 (one k-block per stage: 187.9 /
+// 922.6); 110 KiB each, one k-block per stage: 181.8 / 873.7.
+constexpr int kStageBlocks = 2;         // k-blocks per stage
+constexpr int kRingBytes = 192 * 1024;  // all the warps' stages of a block
+
+template <int MODE, int RT>
+constexpr int stream_tiles() {
+  return MODE == kSwiglu ? 2 : RT;
+}
+constexpr int stream_weight_bytes(int tiles) { return tiles * kTileRows * kTileK * 2; }
+constexpr int stream_stage_bytes(int tiles, bool norm, int m_count) {
+  return stream_weight_bytes(tiles) + (norm ? kTileK * 4 : 0) + m_count * kTileK * 4;
+}
+constexpr int stream_head_bytes(int tiles, int warps, bool norm) {  // partial sums and row squares
+  return warps * tiles * 4 * 32 * 4 + (norm ? warps * 8 * 4 : 0);
+}
+
+template <int MODE, int RT, int WARPS, bool NORM>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+    bf16_stream_rows(const GemvGroup<__nv_bfloat16> g, const float* __restrict__ x, int m_count, int stages) {
+  constexpr int kTiles = stream_tiles<MODE, RT>();
+  constexpr int kOutTiles = MODE == kSwiglu ? 1 : RT;
+  constexpr int kWeightBytes = stream_weight_bytes(kTiles);
+  constexpr int kNormBytes = NORM ? kTileK * 4 : 0;
+  extern __shared__ uint4 shared_words[];
+  auto* const shared = reinterpret_cast<unsigned char*>(shared_words);
+  auto* const partial = reinterpret_cast<float(*)[kTiles][4][32]>(shared);  // [WARPS]
+  auto* const row_squares = reinterpret_cast<float(*)[8]>(shared + WARPS * kTiles * 4 * 32 * 4);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
+  const int cols = g.cols, k_blocks = cols / kTileK, task_count = g.tasks_before[g.count];
+  const int block_bytes = stream_stage_bytes(kTiles, NORM, m_count);  // one k-block's weights, norm, x
+  const int stage_bytes = kStageBlocks * block_bytes;
+  unsigned char* const ring =
+      shared + stream_head_bytes(kTiles, WARPS, NORM) + static_cast<size_t>(warp) * stages * stage_bytes;
+  const int my_tasks =
+      static_cast<int>(blockIdx.x) < task_count ? (task_count - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int per_task = warp < k_blocks ? (k_blocks - 1 - warp) / WARPS + 1 : 0;  // the warp's k-blocks
+  const int task_stages = (per_task + kStageBlocks - 1) / kStageBlocks;
+  auto task_rows = [&](int i, int& j) {  // the matrix and first row of the block's task i
+    const int t = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
+    j = 0;
+    while (t >= g.tasks_before[j + 1]) ++j;
+    return (t - g.tasks_before[j]) * kTileRows * kOutTiles;
+  };
+  // A place in the warp's sequence of stages: stage v of the block's task i (i == my_tasks: the end).
+  struct Cursor {
+    int i, v, j, row0;
+  };
+  auto start = [&](Cursor& p, int i) {
+    p.i = task_stages > 0 ? i : my_tasks, p.v = 0;
+    if (p.i < my_tasks) p.row0 = task_rows(p.i, p.j);
+  };
+  auto advance = [&](Cursor& p) {
+    if (p.i < my_tasks && ++p.v == task_stages) start(p, p.i + 1);
+  };
+  auto issue_weights = [&](const Cursor& p, unsigned char* stage) {  // and the norm's weights
+    if (p.i >= my_tasks) return;
+    const int rows = g.rows[p.j];
+    for (int b = 0, u = p.v * kStageBlocks; b < kStageBlocks && u < per_task; ++b, ++u) {
+      const int k = (warp + u * WARPS) * kTileK;
+      unsigned char* const block = stage + b * block_bytes;
+#pragma unroll
+      for (int e = 0; e < kTiles * 4; ++e) {  // 8 lanes per 128-byte row segment: coalesced
+        const int idx = lane + 32 * e, t = idx / (kTileRows * 8), r = idx / 8 % kTileRows, q = idx % 8;
+        const int row = min((MODE == kSwiglu ? p.row0 : p.row0 + t * kTileRows) + r, rows - 1);
+        cp_async16(block + t * kTileRows * 128 + r * 128 + (q ^ (r % 8)) * 16,
+                   g.w[MODE == kSwiglu ? t : p.j] + static_cast<size_t>(row) * cols + k + 8 * q);
+      }
+      if constexpr (NORM)
+        if (lane < 16) cp_async16(block + kWeightBytes + lane * 16, g.norm_weight + k + 4 * lane);
+    }
+  };
+  auto issue_activations = [&](const Cursor& p, unsigned char* stage) {
+    if (p.i >= my_tasks) return;
+    for (int b = 0, u = p.v * kStageBlocks; b < kStageBlocks && u < per_task; ++b, ++u) {
+      const int k = (warp + u * WARPS) * kTileK;
+      unsigned char* const xs = stage + b * block_bytes + kWeightBytes + kNormBytes;
+      for (int idx = lane; idx < m_count * 16; idx += 32)
+        cp_async16(xs + idx * 16, x + static_cast<size_t>(idx / 16) * cols + k + 4 * (idx % 16));
+    }
+  };
+  Cursor next{};  // the next stage to request
+  start(next, 0);
+  for (int c = 0; c < stages; ++c, advance(next)) {  // weights only: nothing an earlier kernel writes
+    issue_weights(next, ring + c * stage_bytes);
+    cp_async_commit();
+  }
+  griddep_wait();
+  griddep_launch_dependents();
+  {
+    Cursor p{};
+    start(p, 0);
+    for (int c = 0; c < stages; ++c, advance(p)) issue_activations(p, ring + c * stage_bytes);
+    cp_async_commit();
+  }
+  int slot = 0;
+  bool first = true;
+  for (int i = 0; i < my_tasks; ++i) {
+    int j = 0;
+    const int row0 = task_rows(i, j), rows = g.rows[j];
+    float acc[kTiles][4];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][e] = 0.0f;
+    float squares = 0.0f;  // NORM: x^2 over the lane's values of activation row grp
+    for (int v = 0; v < task_stages; ++v) {
+      if (first)
+        cp_async_wait<0>();  // the prologue: every stage's weights and the activations after them
+      else
+        cp_async_wait_pending(stages - 1);  // this stage's group and none after it
+      first = false;
+      __syncwarp();
+      unsigned char* const stage = ring + slot * stage_bytes;
+      for (int b = 0, u = v * kStageBlocks; b < kStageBlocks && u < per_task; ++b, ++u) {
+        const unsigned char* const block = stage + b * block_bytes;
+        float4 xv[4];
+        const auto* const xs = reinterpret_cast<const float4*>(block + kWeightBytes + kNormBytes);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          xv[e] = grp < m_count ? xs[grp * 16 + 4 * quad + e] : make_float4(0, 0, 0, 0);
+        if constexpr (NORM) {  // as bf16_tile_rows: x^2 summed, then x * weight
+          const auto* const wn = reinterpret_cast<const float4*>(block + kWeightBytes);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float4 nw = wn[4 * quad + e];
+            float4& val = xv[e];
+            squares = fmaf(val.x, val.x, squares), squares = fmaf(val.y, val.y, squares);
+            squares = fmaf(val.z, val.z, squares), squares = fmaf(val.w, val.w, squares);
+            val.x *= nw.x, val.y *= nw.y, val.z *= nw.z, val.w *= nw.w;
+          }
+        }
+        uint32_t bh[8], bl[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          split_pair(xv[e].x, xv[e].y, bh[2 * e], bl[2 * e]);
+          split_pair(xv[e].z, xv[e].w, bh[2 * e + 1], bl[2 * e + 1]);
+        }
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+          const unsigned char* const tile = block + t * kTileRows * 128;
+          const int p0 = ((2 * quad) ^ grp) * 16, p1 = ((2 * quad + 1) ^ grp) * 16;  // rows grp and grp + 8
+          const uint4 l0 = *reinterpret_cast<const uint4*>(tile + grp * 128 + p0);
+          const uint4 l1 = *reinterpret_cast<const uint4*>(tile + grp * 128 + p1);
+          const uint4 h0 = *reinterpret_cast<const uint4*>(tile + (grp + 8) * 128 + p0);
+          const uint4 h1 = *reinterpret_cast<const uint4*>(tile + (grp + 8) * 128 + p1);
+          const uint32_t lo[8] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w};
+          const uint32_t hi[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            mma_bf16(acc[t], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], bh[2 * s], bh[2 * s + 1]);
+            mma_bf16(acc[t], lo[2 * s], hi[2 * s], lo[2 * s + 1], hi[2 * s + 1], bl[2 * s], bl[2 * s + 1]);
+          }
+        }
+      }
+      __syncwarp();  // every lane has read the stage before it is refilled
+      issue_weights(next, stage);
+      issue_activations(next, stage);
+      cp_async_commit();
+      advance(next);
+      slot = slot + 1 == stages ? 0 : slot + 1;
+    }
+    // The task's output, as bf16_tile_rows: the warps' fragments summed in warp order.
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) partial[warp][t][e][lane] = acc[t][e];
+    if constexpr (NORM) {
+      squares += __shfl_xor_sync(0xffffffffu, squares, 1);
+      squares += __shfl_xor_sync(0xffffffffu, squares, 2);
+      if (quad == 0) row_squares[warp][grp] = squares;
+    }
+    __syncthreads();
+    for (int o = threadIdx.x; o < kOutTiles * kTileRows * 8; o += blockDim.x) {
+      const int ot = o / (kTileRows * 8), r = o % kTileRows, m = o % (kTileRows * 8) / kTileRows;
+      const int row = row0 + ot * kTileRows + r;
+      if (m >= m_count || row >= rows) continue;
+      const int frag_lane = (r % 8) * 4 + m / 2, e = (r / 8) * 2 + m % 2;
+      float v[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int t = 0; t < (MODE == kSwiglu ? 2 : 1); ++t) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += partial[w][MODE == kSwiglu ? t : ot][e][frag_lane];
+        v[t] = sum;
+      }
+      if constexpr (NORM) {
+        float squares_sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) squares_sum += row_squares[w][m];
+        const float scale = 1.0f / sqrtf(squares_sum / static_cast<float>(cols) + g.norm_eps);
+        v[0] *= scale, v[1] *= scale;
+      }
+      float* out = g.y[j] + static_cast<size_t>(m) * rows + row;
+      if constexpr (MODE == kSwiglu)
+        *out = silu(v[0]) * v[1];
+      else if constexpr (MODE == kAccumulate)
+        *out += v[0];
+      else
+        *out = v[0];
+    }
+    __syncthreads();  // the partial sums are read before the next task writes them
+  }
+  cp_async_wait<0>();  // no copy outlives the block (the trailing groups are empty)
+}
+
+// Launches bf16_stream_rows for m <= 8 activation rows where its ring fits (at least 2 stages per warp);
+// false: the caller runs bf16_tile_rows instead (the same outputs).
+template <int MODE, int RT, int WARPS, bool NORM>
+bool launch_bf16_stream(const GemvGroup<__nv_bfloat16>& g, const float* x, int m_count, cudaStream_t s) {
+  constexpr int kTiles = stream_tiles<MODE, RT>();
+  const int stage_bytes = kStageBlocks * stream_stage_bytes(kTiles, NORM, m_count);
+  const int stages = std::min(kMaxStages, kRingBytes / (WARPS * stage_bytes));
+  if (stages < 2) return false;
+  const size_t smem =
+      stream_head_bytes(kTiles, WARPS, NORM) + static_cast<size_t>(WARPS) * stages * stage_bytes;
+  static const int allowed = [] {  // once per instantiation: the largest dynamic shared memory the card has
+    int device = 0, most = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+        cudaFuncSetAttribute(bf16_stream_rows<MODE, RT, WARPS, NORM>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, most) != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: the tile kernel runs instead
+      return 0;
+    }
+    return most;
+  }();
+  if (smem > static_cast<size_t>(allowed)) return false;
+  const unsigned blocks =  // persistent: one per multiprocessor (the ring takes most of its shared memory)
+      static_cast<unsigned>(std::min<int64_t>(g.tasks_before[g.count], multiprocessor_count()));
+  launch_pdl(bf16_stream_rows<MODE, RT, WARPS, NORM>, blocks, WARPS * 32, smem, s, g, x, m_count, stages);
+  return true;
+}
+
 template <int MODE>
 void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cudaStream_t s) {
   // Stored products (the in_proj groups, lm_head) take two row tiles per block for up to 8 activation rows:
@@ -346,6 +628,26 @@ void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cu
   // k-blocks in flight per warp, measured on the 9B shape (H200, BENCHMARKS.md session 15): 4 for one tile
   // (169 against 160 tok/s with 2, 162 with 8: 255 registers), 2 for two tiles (SwiGLU's gate and up, or
   // two row tiles: the same bytes).
+  // Up to 4 activation rows stream their weights (bf16_stream_rows: the same outputs). The 5- to 8-row
+  // windows stay on the tile kernel: their activations take ring space, and 8 rows streamed cost 7.46 ms
+  // against 6.28 on the 9B shape (H200, BENCHMARKS.md session 22; 2 rows 5.22 against 5.55, 4 rows 5.70
+  // against 5.70).
+  if (m <= 4 && bf16_streaming()) {
+    const bool norm = g.norm_weight != nullptr;
+    if constexpr (MODE == kSwiglu) {
+      if (norm ? launch_bf16_stream<MODE, 1, kGemvWarps, true>(g, x, mc, s)
+               : launch_bf16_stream<MODE, 1, kGemvWarps, false>(g, x, mc, s))
+        return;
+    } else if constexpr (MODE == kStore) {
+      if (norm ? launch_bf16_stream<MODE, 2, kGemvWarps, true>(g, x, mc, s)
+               : launch_bf16_stream<MODE, 2, kGemvWarps, false>(g, x, mc, s))
+        return;
+    } else {
+      if (!norm && (wide ? launch_bf16_stream<MODE, 1, 2 * kGemvWarps, false>(g, x, mc, s)
+                         : launch_bf16_stream<MODE, 1, kGemvWarps, false>(g, x, mc, s)))
+        return;
+    }
+  }
   if (g.norm_weight != nullptr) {  // the pre-norm taken: stored products and SwiGLU (tiles_take_norm)
     if constexpr (MODE == kAccumulate) {
       fail(ErrorKind::kInternal, "bf16 tiles: a norm in a residual product");

@@ -218,6 +218,11 @@ bool int8_row_slices() {
   return enabled;
 }
 
+bool bf16_streaming() {
+  static const bool enabled = unless_env("MTPX_BF16_STREAM", "0");
+  return enabled;
+}
+
 int multiprocessor_count() {
   static const int count = [] {
     int device = 0, n = 0;

@@ -121,6 +121,11 @@ bool early_loads();
 // int8_slices): unless the environment sets MTPX_INT8_SLICES=1 (one warp per row everywhere). Read once.
 bool int8_row_slices();
 
+// Whether bf16 decode and verify rows of up to 4 activation rows stream their weights through shared
+// memory (kernels.cu, bf16_stream_rows; the same arithmetic as bf16_tile_rows): unless the environment sets
+// MTPX_BF16_STREAM=0. Read once.
+bool bf16_streaming();
+
 // The current device's streaming multiprocessors. Read once.
 int multiprocessor_count();
 
