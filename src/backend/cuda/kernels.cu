@@ -168,6 +168,46 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint3
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
+// The outputs of a block's row tiles from its warps' accumulator fragments (partial[w][t][n][c][lane]) and,
+// with NORM, their sums of x^2 per activation row (row_squares[w][m]): the warps summed in warp order, then
+// the epilogue. Consecutive threads take consecutive rows; fragment element c of lane (g, q) holds row
+// g + 8 (c / 2), column 2q + c % 2. bf16_tile_rows and bf16_stream_rows both end here, which keeps their
+// outputs bit for bit the same.
+template <int MODE, int TILES, int OUT_TILES, int NT, int WARPS, bool NORM>
+__device__ __forceinline__ void write_tile_outputs(const float (*partial)[TILES][NT][4][32],
+                                                   const float (*row_squares)[NT * 8],
+                                                   const GemvGroup<__nv_bfloat16>& g, int j, int row0,
+                                                   int rows, int m_count) {
+  for (int o = threadIdx.x; o < OUT_TILES * kTileRows * 8 * NT; o += blockDim.x) {
+    const int ot = o / (kTileRows * 8 * NT), r = o % kTileRows, m = o % (kTileRows * 8 * NT) / kTileRows;
+    const int row = row0 + ot * kTileRows + r;
+    if (m >= m_count || row >= rows) continue;
+    const int n = m / 8, frag_lane = (r % 8) * 4 + (m % 8) / 2, c = (r / 8) * 2 + m % 2;
+    float v[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int t = 0; t < (MODE == kSwiglu ? 2 : 1); ++t) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) sum += partial[w][MODE == kSwiglu ? t : ot][n][c][frag_lane];
+      v[t] = sum;
+    }
+    if constexpr (NORM) {  // x W^T / rms(x), as rms_norm_kernel computes 1 / rms
+      float squares_sum = 0.0f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) squares_sum += row_squares[w][m];
+      const float scale = 1.0f / sqrtf(squares_sum / static_cast<float>(g.cols) + g.norm_eps);
+      v[0] *= scale, v[1] *= scale;
+    }
+    float* out = g.y[j] + static_cast<size_t>(m) * rows + row;
+    if constexpr (MODE == kSwiglu)
+      *out = silu(v[0]) * v[1];
+    else if constexpr (MODE == kAccumulate)
+      *out += v[0];
+    else
+      *out = v[0];
+  }
+}
+
 // RT row tiles per block (not SwiGLU: 16 RT consecutive rows of one matrix), WARPS warps splitting k; NORM:
 // the input's RMSNorm (g.norm_weight) taken.
 template <int NT, int MODE, int U, int RT = 1, int WARPS = kGemvWarps, bool NORM = false>
@@ -290,36 +330,8 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   }
   __syncthreads();
-  // Output (row r of the tile, activation row m), consecutive threads on consecutive rows. Fragment
-  // element c of lane (g, q) holds row g + 8 (c / 2), column 2q + c % 2.
-  for (int o = threadIdx.x; o < kOutTiles * kTileRows * 8 * NT; o += blockDim.x) {
-    const int ot = o / (kTileRows * 8 * NT), r = o % kTileRows, m = o % (kTileRows * 8 * NT) / kTileRows;
-    const int row = row0 + ot * kTileRows + r;
-    if (m >= m_count || row >= rows) continue;
-    const int n = m / 8, frag_lane = (r % 8) * 4 + (m % 8) / 2, c = (r / 8) * 2 + m % 2;
-    float v[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int t = 0; t < (MODE == kSwiglu ? 2 : 1); ++t) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) sum += partial[w][MODE == kSwiglu ? t : ot][n][c][frag_lane];
-      v[t] = sum;
-    }
-    if constexpr (NORM) {  // x W^T / rms(x), as rms_norm_kernel computes 1 / rms
-      float squares_sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) squares_sum += row_squares[w][m];
-      const float scale = 1.0f / sqrtf(squares_sum / static_cast<float>(cols) + g.norm_eps);
-      v[0] *= scale, v[1] *= scale;
-    }
-    float* out = g.y[j] + static_cast<size_t>(m) * rows + row;
-    if constexpr (MODE == kSwiglu)
-      *out = silu(v[0]) * v[1];
-    else if constexpr (MODE == kAccumulate)
-      *out += v[0];
-    else
-      *out = v[0];
-  }
+  write_tile_outputs<MODE, kTiles, kOutTiles, NT, WARPS, NORM>(partial, row_squares, g, j, row0, rows,
+                                                               m_count);
 }
 
 // ---- bf16 rows streamed through shared memory: bf16_tile_rows' arithmetic (the same fragments, k order,
@@ -396,7 +408,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
   constexpr int kNormBytes = NORM ? kTileK * 4 : 0;
   extern __shared__ uint4 shared_words[];
   auto* const shared = reinterpret_cast<unsigned char*>(shared_words);
-  auto* const partial = reinterpret_cast<float(*)[kTiles][4][32]>(shared);  // [WARPS]
+  auto* const partial = reinterpret_cast<float(*)[kTiles][1][4][32]>(shared);  // [WARPS]
   auto* const row_squares = reinterpret_cast<float(*)[8]>(shared + WARPS * kTiles * 4 * 32 * 4);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int cols = g.cols, k_blocks = cols / kTileK, task_count = g.tasks_before[g.count];
@@ -532,45 +544,19 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
       advance(next);
       slot = slot + 1 == stages ? 0 : slot + 1;
     }
-    // The task's output, as bf16_tile_rows: the warps' fragments summed in warp order.
+    // The task's output, as bf16_tile_rows'.
 #pragma unroll
     for (int t = 0; t < kTiles; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][t][e][lane] = acc[t][e];
+      for (int e = 0; e < 4; ++e) partial[warp][t][0][e][lane] = acc[t][e];
     if constexpr (NORM) {
       squares += __shfl_xor_sync(0xffffffffu, squares, 1);
       squares += __shfl_xor_sync(0xffffffffu, squares, 2);
       if (quad == 0) row_squares[warp][grp] = squares;
     }
     __syncthreads();
-    for (int o = threadIdx.x; o < kOutTiles * kTileRows * 8; o += blockDim.x) {
-      const int ot = o / (kTileRows * 8), r = o % kTileRows, m = o % (kTileRows * 8) / kTileRows;
-      const int row = row0 + ot * kTileRows + r;
-      if (m >= m_count || row >= rows) continue;
-      const int frag_lane = (r % 8) * 4 + m / 2, e = (r / 8) * 2 + m % 2;
-      float v[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int t = 0; t < (MODE == kSwiglu ? 2 : 1); ++t) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) sum += partial[w][MODE == kSwiglu ? t : ot][e][frag_lane];
-        v[t] = sum;
-      }
-      if constexpr (NORM) {
-        float squares_sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) squares_sum += row_squares[w][m];
-        const float scale = 1.0f / sqrtf(squares_sum / static_cast<float>(cols) + g.norm_eps);
-        v[0] *= scale, v[1] *= scale;
-      }
-      float* out = g.y[j] + static_cast<size_t>(m) * rows + row;
-      if constexpr (MODE == kSwiglu)
-        *out = silu(v[0]) * v[1];
-      else if constexpr (MODE == kAccumulate)
-        *out += v[0];
-      else
-        *out = v[0];
-    }
+    write_tile_outputs<MODE, kTiles, kOutTiles, 1, WARPS, NORM>(partial, row_squares, g, j, row0, rows,
+                                                                m_count);
     __syncthreads();  // the partial sums are read before the next task writes them
   }
   cp_async_wait<0>();  // no copy outlives the block (the trailing groups are empty)
