@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -256,7 +257,7 @@ std::pair<std::vector<int32_t>, std::vector<double>> brute_force(const std::vect
         std::exp((logits[static_cast<size_t>(id)] - logits[static_cast<size_t>(order[0])]) / p.temperature));
   size_t keep = order.size();
   double before = 0;
-  for (size_t i = 0; i < order.size(); ++i) {
+  for (size_t i = 0; i < order.size() && p.top_p < 1.0; ++i) {  // top-p 1: no top-p step (HF's neither)
     if (i > 0 && before / total >= p.top_p) {
       keep = i;
       break;
@@ -274,34 +275,38 @@ std::pair<std::vector<int32_t>, std::vector<double>> brute_force(const std::vect
 }
 
 // Rows of more than 4096 ids without top-k are truncated from their top ids and the rest's mass, not a
-// sort of the whole row: the result is the brute force's. Top-p keeps the brute force's prefix (ids in its
-// order; 0.9999 at T 2 reaches past the first 1024 ids); temperature alone lists every id, the top ones
-// (at least 1024) in the brute force's order and the others after them in id order.
+// sort of the whole row: the result is the brute force's. Where it keeps ids below the top ones (temperature
+// alone; top-p 0.9999 at T 2; flat rows, as a random checkpoint's, where top-p 0.95 or min-p keeps most of
+// the vocabulary), the ids at or above the 1024th largest logit lead in the brute force's order and the
+// others follow in id order. Rows rounded to a grid put many ties in the bin where top-p's prefix ends.
 TEST(Sampler, LongRowsWithoutTopKAreTheBruteForcesDistribution) {
   std::mt19937 rng(41);
-  std::normal_distribution<float> normal(0.0f, 3.0f);
-  for (int trial = 0; trial < 4; ++trial) {
-    const int64_t n = 5000 + 9000 * trial, limit = n - trial * 7;
+  for (int trial = 0; trial < 7; ++trial) {
+    const bool flat = trial >= 4;
+    const int64_t n = flat ? (trial == 6 ? 248320 : 30000 + 7001 * trial) : 5000 + 9000 * trial;
+    const int64_t limit = n - trial * 7;
+    std::normal_distribution<float> normal(0.0f, flat ? 0.05f : 3.0f);
     std::vector<float> logits(static_cast<size_t>(n));
-    for (float& l : logits) l = trial % 2 == 0 ? std::round(normal(rng) * 4) / 4 : normal(rng);  // ties
+    for (float& l : logits)
+      l = trial % 2 == 0 ? std::round(normal(rng) * (flat ? 512 : 4)) / (flat ? 512 : 4)
+                         : normal(rng);  // ties
+    if (trial == 5) logits[17] = -std::numeric_limits<float>::infinity();
+    std::vector<float> sorted(logits.begin(), logits.begin() + limit);
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    const size_t top = static_cast<size_t>(
+        std::count_if(logits.begin(), logits.begin() + limit, [&](float l) { return l >= sorted[1023]; }));
     for (const SamplerParams& p :
          {SamplerParams{.temperature = 0.7}, SamplerParams{.temperature = 2.0},
           SamplerParams{.temperature = 1.0, .top_p = 0.9}, SamplerParams{.temperature = 2.0, .top_p = 0.9999},
           SamplerParams{.temperature = 1.0, .min_p = 0.01}, SamplerParams{.temperature = 3.0, .min_p = 0.001},
-          SamplerParams{.temperature = 0.8, .top_p = 0.95, .min_p = 0.02}}) {
+          SamplerParams{.temperature = 0.8, .top_p = 0.95, .min_p = 0.02},
+          SamplerParams{.temperature = 0.8, .top_p = 0.95}, SamplerParams{.temperature = 0.1, .top_p = 0.5},
+          SamplerParams{.temperature = 1.0, .min_p = 0.9},
+          SamplerParams{.temperature = 0.5, .top_p = 0.95, .min_p = 0.8}}) {
       const auto [ids, probs] = brute_force(logits, limit, p);
       const TokenDistribution d = truncate(logits, p, limit);
       ASSERT_EQ(d.ids.size(), ids.size()) << "n " << n << " T " << p.temperature << " top-p " << p.top_p;
       EXPECT_EQ(d.unlisted, 0.0);
-      const bool whole = p.top_p >= 1.0 && p.min_p <= 0.0;
-      // Temperature alone: the ids at or above the 1024th largest logit lead, in the brute force's order.
-      size_t top = ids.size();
-      if (whole) {
-        std::vector<float> sorted(logits.begin(), logits.begin() + limit);
-        std::sort(sorted.begin(), sorted.end(), std::greater<>());
-        top = static_cast<size_t>(std::count_if(logits.begin(), logits.begin() + limit,
-                                                [&](float l) { return l >= sorted[1023]; }));
-      }
       for (size_t i = 0; i < ids.size(); ++i) {
         if (i < top) {
           ASSERT_EQ(d.ids[i], ids[i]) << "at " << i << " n " << n << " T " << p.temperature;

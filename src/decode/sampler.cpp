@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <optional>
 
 #include "backend/cpu/ops.h"
@@ -63,15 +64,20 @@ namespace {
 // needed).
 using WeightedIds = std::vector<std::pair<int32_t, double>>;
 using IdLogits = std::vector<std::pair<int32_t, float>>;
+
+// Highest logit first, ties by lower id: the order top-p walks. The pairs themselves, not ids with a
+// lookup: 768 device candidates sorted through a binary search of their logits per comparison took
+// 0.8 ms, most of a 0.8B GPU decode step.
+void sort_by_rank(IdLogits& pairs) {
+  std::sort(pairs.begin(), pairs.end(), [](const auto& a, const auto& b) {
+    return a.second > b.second || (a.second == b.second && a.first < b.first);
+  });
+}
 std::optional<TokenDistribution> truncate_survivors(IdLogits survivors, const SamplerParams& p,
                                                     double rest_mass = 0.0,
                                                     const WeightedIds* rest = nullptr) {
   TokenDistribution d;
-  // The pairs themselves, not ids with a lookup: 768 device candidates sorted through a binary search of
-  // their logits per comparison took 0.8 ms, most of a 0.8B GPU decode step.
-  std::sort(survivors.begin(), survivors.end(), [](const auto& a, const auto& b) {
-    return a.second > b.second || (a.second == b.second && a.first < b.first);
-  });
+  sort_by_rank(survivors);
   std::vector<int32_t> ids(survivors.size());
   for (size_t i = 0; i < survivors.size(); ++i) ids[i] = survivors[i].first;
 
@@ -172,11 +178,104 @@ IdLogits ids_at_or_above(std::span<const float> logits, int64_t n, float thresho
   return ids;
 }
 
-// Rows without top-k longer than this are truncated from their top kTopIds ids (and more while top-p
-// reaches below them) and the rest's mass instead of a sort of the whole row: at Qwen's 248,320 ids that
-// sort took 30 ms per row, several decode steps of a GPU.
+// Rows without top-k longer than this are truncated from their top kTopIds ids and the rest's mass
+// instead of a sort of the whole row: at Qwen's 248,320 ids that sort took 30 ms per row, several decode
+// steps of a GPU.
 constexpr int64_t kTopIds = 1024;
 constexpr int64_t kSortWholeRowsUpTo = 4 * kTopIds;
+
+// truncate() of a long row whose top-p prefix reaches below its top ids (min-p cutting none of them): a
+// flat row, where the prefix can hold most of the vocabulary. Sorting the row to find where the prefix
+// ends took 30 ms at 248,320 ids; instead the ids below the top are binned by (max - logit) / T, a
+// monotone function of the logit (ties share a bin), the bins spread over the row's range of it (to 48:
+// weights below e^-48 share the last bin): the bins' masses place the end of the prefix in one bin, and
+// only that bin is sorted. The prefix is the brute force's (ranked by logit, ties by id; kept while the
+// mass before an id is < top_p of the row's), up to the order of the sums; min-p then drops the ids
+// weighing < min_p of the top one (monotone too: a prefix of the prefix). Listed: the top ids in rank
+// order, then the kept ids below them in id order (draw() walks the list, so any order is as exact).
+constexpr int kBins = 4096;
+constexpr double kBinnedRange = 48.0;
+
+// `weight`: each id's weight exp(logit / T - max / T) where its logit is below `threshold` (the top ids'
+// and NaN's entries unused), `rest_mass` their sum in id order, as truncate() weighed them.
+TokenDistribution truncate_wide(std::span<const float> logits, int64_t n, IdLogits top, float threshold,
+                                const std::vector<double>& weight, double rest_mass, const SamplerParams& p) {
+  sort_by_rank(top);
+  const double inv_t = 1.0 / p.temperature;
+  const double max_logit = static_cast<double>(top[0].second) * inv_t;
+  std::vector<double> top_weight(top.size());
+  double top_mass = 0.0;
+  for (size_t i = 0; i < top.size(); ++i)
+    top_mass += top_weight[i] = std::exp(static_cast<double>(top[i].second) * inv_t - max_logit);
+  // The bins' width: the row's range of (max - logit) / T over kBins - 1 bins (-infinity goes in the last).
+  float lowest = threshold;
+  for (int64_t i = 0; i < n; ++i) {
+    const float l = logits[static_cast<size_t>(i)];
+    if (l < lowest && std::isfinite(l)) lowest = l;
+  }
+  const double range = std::min(kBinnedRange, (static_cast<double>(top[0].second) - lowest) * inv_t);
+  const double bins_per_unit = range > 0.0 ? (kBins - 1) / range : 1.0;
+  // Each id's bin (kBins: a top id or NaN, not binned) and the bins' masses.
+  std::vector<uint16_t> bin(static_cast<size_t>(n), kBins);
+  std::vector<double> bin_mass(kBins, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    const float l = logits[static_cast<size_t>(i)];
+    if (!(l < threshold)) continue;
+    const double position = (static_cast<double>(top[0].second) - l) * inv_t * bins_per_unit;
+    const int b = position < kBins - 1 ? static_cast<int>(position) : kBins - 1;
+    bin[static_cast<size_t>(i)] = static_cast<uint16_t>(b);
+    bin_mass[static_cast<size_t>(b)] += weight[static_cast<size_t>(i)];
+  }
+  const double total = top_mass + rest_mass;
+  // Bins before `end_bin` are kept whole, bin end_bin up to its id `last_kept` (rank order), none after.
+  int end_bin = kBins;
+  std::optional<std::pair<int32_t, float>> last_kept;  // (id, logit); nullopt: none of end_bin
+  if (p.top_p < 1.0) {
+    double before = top_mass;
+    for (int b = 0; b < kBins; ++b) {
+      if ((before + bin_mass[static_cast<size_t>(b)]) / total < p.top_p) {
+        before += bin_mass[static_cast<size_t>(b)];
+        continue;
+      }
+      end_bin = b;
+      if (before / total >= p.top_p) break;  // the prefix ended with the bin before
+      IdLogits members;
+      for (int64_t i = 0; i < n; ++i)
+        if (bin[static_cast<size_t>(i)] == b)
+          members.emplace_back(static_cast<int32_t>(i), logits[static_cast<size_t>(i)]);
+      sort_by_rank(members);
+      for (const auto& member : members) {
+        if (before / total >= p.top_p) break;
+        last_kept = member;
+        before += weight[static_cast<size_t>(member.first)];
+      }
+      break;
+    }
+  }
+  // The top ids (all kept: neither top-p nor min-p cut inside them), then the kept ids below in id order.
+  TokenDistribution d;
+  d.ids.reserve(static_cast<size_t>(n));
+  double kept_total = top_mass;
+  for (const auto& [id, l] : top) d.ids.push_back(id);
+  const double floor = p.min_p;  // min-p's share of the top id's weight, exp(0) = 1
+  for (int64_t i = 0; i < n; ++i) {
+    const int b = bin[static_cast<size_t>(i)];
+    if (b > end_bin || b == kBins) continue;
+    if (b == end_bin) {
+      const float l = logits[static_cast<size_t>(i)];
+      if (!last_kept || l < last_kept->second || (l == last_kept->second && i > last_kept->first)) continue;
+    }
+    const double w = weight[static_cast<size_t>(i)];
+    if (w < floor) continue;
+    d.ids.push_back(static_cast<int32_t>(i));
+    kept_total += w;
+  }
+  d.probs.resize(d.ids.size());
+  for (size_t i = 0; i < d.ids.size(); ++i)
+    d.probs[i] = static_cast<float>((i < top.size() ? top_weight[i] : weight[static_cast<size_t>(d.ids[i])]) /
+                                    kept_total);
+  return d;
+}
 
 }  // namespace
 
@@ -188,10 +287,10 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
     // Keep every token whose logit is >= the k-th largest (ties at the boundary survive, as in HF).
     return *truncate_survivors(ids_at_or_above(logits, n, kth_largest(logits, n, p.top_k)), p);
   }
-  // Without top-k: the ids at or above the `top`-th largest and the mass of those below (in id order, each
-  // weighed as truncate_survivors weighs the ids), while top-p's prefix reaches below them.
-  for (int64_t top = kTopIds; top <= n / 4 && n > kSortWholeRowsUpTo; top *= 8) {
-    const float threshold = kth_largest(logits, n, top);
+  // Without top-k: the ids at or above the kTopIds-th largest and the mass of those below (in id order,
+  // each weighed as truncate_survivors weighs the ids); truncate_wide where top-p's prefix reaches below.
+  if (n > kSortWholeRowsUpTo) {
+    const float threshold = kth_largest(logits, n, kTopIds);
     IdLogits ids = ids_at_or_above(logits, n, threshold);
     const double inv_t = 1.0 / p.temperature;
     float highest = threshold;
@@ -199,19 +298,39 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
     const double max_logit = highest * inv_t;
     // Temperature alone samples the whole row: the ids below follow the top ones in id order.
     const bool whole_row = p.top_p >= 1.0 && p.min_p <= 0.0;
-    WeightedIds rest;
-    if (whole_row) rest.reserve(static_cast<size_t>(n));
+    if (!whole_row) {
+      // The ids below weigh between 0 and their count x the threshold's weight (1e-9 over: the sum's
+      // rounding). Top-p's prefix only ends later as the total grows, and the kept ids' probabilities do
+      // not depend on the total: where top-p or min-p cut inside the top ids at both ends, the result is
+      // the one for the exact rest mass, without the exps of the ids below (3-5 ms a row at 248,320 ids).
+      const double most = static_cast<double>(n - static_cast<int64_t>(ids.size())) *
+                          std::exp(static_cast<double>(threshold) * inv_t - max_logit) * (1.0 + 1e-9);
+      std::optional<TokenDistribution> least_rest =
+          truncate_survivors(ids, p, std::numeric_limits<double>::min());
+      std::optional<TokenDistribution> most_rest = truncate_survivors(ids, p, most);
+      if (least_rest && most_rest && least_rest->ids.size() == most_rest->ids.size())
+        return *std::move(most_rest);
+    }
+    WeightedIds rest;            // whole_row: the ids below, in id order, with their weights
+    std::vector<double> weight;  // otherwise each id's weight, for truncate_wide
+    if (whole_row)
+      rest.reserve(static_cast<size_t>(n));
+    else
+      weight.resize(static_cast<size_t>(n));
     double rest_mass = 0.0;
     for (int64_t i = 0; i < n; ++i) {
       const float l = logits[static_cast<size_t>(i)];
       if (!(l < threshold)) continue;  // a top id (or NaN)
       const double w = std::exp(static_cast<double>(l) * inv_t - max_logit);
       rest_mass += w;
-      if (whole_row) rest.emplace_back(static_cast<int32_t>(i), w);
+      if (whole_row)
+        rest.emplace_back(static_cast<int32_t>(i), w);
+      else
+        weight[static_cast<size_t>(i)] = w;
     }
-    if (std::optional<TokenDistribution> d = truncate_survivors(std::move(ids), p, rest_mass, &rest))
+    if (std::optional<TokenDistribution> d = truncate_survivors(ids, p, rest_mass, &rest))
       return *std::move(d);
-    // top-p reaches below these ids: take more of them
+    return truncate_wide(logits, n, std::move(ids), threshold, weight, rest_mass, p);
   }
   IdLogits ids(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i)

@@ -30,12 +30,13 @@ SamplerParams sampler_defaults(const GenerationConfig& config);
 void validate(const SamplerParams& params);
 
 // A probability distribution over a subset of the vocabulary, sorted by probability (descending, ties
-// by lower id first); probabilities sum to 1. Tokens not listed have probability 0. Two exceptions, both
-// from rows sampled whole (temperature alone, no truncation):
-// - truncate() of a long row (over 4096 ids) sorts only its top ids (at least 1024); the others follow in
-//   id order (sorting them took 30 ms per row at Qwen's vocabulary). Any order is as exact: draw() walks
-//   the list.
-// - truncate_candidates() of a device's top ids lists only those, with their share of the whole row, and
+// by lower id first); probabilities sum to 1. Tokens not listed have probability 0. Exceptions:
+// - truncate() of a long row (over 4096 ids) without top-k that keeps ids below its top ones (temperature
+//   alone, or a top-p prefix reaching below them) sorts only its top ids (at least 1024); the others kept
+//   follow in id order (sorting them took 30 ms per row at Qwen's vocabulary). Any order is as exact:
+//   draw() walks the list.
+// - truncate_candidates() of a device's top ids of a row sampled whole lists only those, with their share of
+// the whole row, and
 //   `unlisted` is the share of the ids below them (the row's truncate() lists those after these).
 struct TokenDistribution {
   std::vector<int32_t> ids;
