@@ -29,9 +29,6 @@ MTPX_INT8_SLICES=1 "$bin/mtpx_tests" --gtest_filter='Cuda.FourBit*:*CudaQuantize
 MTPX_BF16_ROWS=fma "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # Up to 4 bf16 rows stream their weights through shared memory by default (bf16_stream_rows); again without.
 MTPX_BF16_STREAM=0 "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
-# Measurement switches for the streamed residual products (runtime.h): the same outputs every way.
-MTPX_BF16_RESIDUAL_TILE_FROM=2 MTPX_BF16_RESIDUAL_SPLIT=1 "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
-MTPX_BF16_RESIDUAL_SPLIT=1 "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # The bf16 row kernels take their input's RMSNorm by default (kernels.h, RowNorm); again with a norm kernel first.
 MTPX_FUSED_NORMS=0 "$bin/mtpx_tests" --gtest_filter='*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # Kernels load weights and states before their griddep_wait by default (runtime.h, early_loads); again without.

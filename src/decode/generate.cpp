@@ -49,6 +49,8 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
       below.limit = vocab_limit;
       return model.draw_below(state, 0, below);
     }
+    // A device sends the row whole where its candidates do not decide the truncation (model/device.h).
+    if (sample_request.active() && model.executor() != nullptr) ++result.stats.logit_rows_fetched;
     return sample(truncate(forward.logits, options.sampler, vocab_limit), rng);
   };
   int32_t token = next();

@@ -67,10 +67,10 @@ struct GenerateStats {
   double prefill_seconds = 0.0;  // prompt forward pass (includes the first sampled token)
   double decode_seconds = 0.0;   // the remaining forward passes
   int64_t decode_steps = 0;
-  // Sampling rows whole on a device (rows listed in part, sampler.h): the draws that landed below a row's
-  // top ids (drawn there on the device), the rows fetched whole (speculative decoding: a residual whose
-  // proposals gave up) and the single logits fetched (speculative decoding: one id's probability below a
-  // row's top ids).
+  // Sampling on a device (rows listed in part, sampler.h): the draws that landed below a row's top ids
+  // (drawn there on the device), the rows that came back whole (a row its candidates did not decide, such
+  // as a flat one under top-p; speculative decoding: also a residual whose proposals gave up) and the single
+  // logits fetched (speculative decoding: one id's probability below a row's top ids).
   int64_t draws_below = 0;
   int64_t logit_rows_fetched = 0;
   int64_t logit_values_fetched = 0;

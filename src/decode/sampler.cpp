@@ -54,14 +54,6 @@ bool any_passes(const float* x, float threshold, Compare passes) {
 
 namespace {
 
-// What truncate() does once top-k has chosen the survivors: (id, logit) pairs in any order.
-// Sorted highest logit first (ties: lower id first), then softmax(logit / T), top-p, min-p, renormalized.
-// rest_mass > 0: the ids are the top of a row whose other ids weigh rest_mass in all (each
-// exp(logit / T - max / T)); it counts in top-p's total. The result must not reach below the ids: when
-// top-p or min-p cut inside them, it is the row's; when nothing cuts, a row sampled whole (temperature
-// alone) gets the ids with their share of the row's mass, then `rest` (the ids below with their weights)
-// when given, else `unlisted` = the rest's share. Any other is undecided (nullopt: the ids below are
-// needed).
 using WeightedIds = std::vector<std::pair<int32_t, double>>;
 using IdLogits = std::vector<std::pair<int32_t, float>>;
 
@@ -73,44 +65,63 @@ void sort_by_rank(IdLogits& pairs) {
     return a.second > b.second || (a.second == b.second && a.first < b.first);
   });
 }
-std::optional<TokenDistribution> truncate_survivors(IdLogits survivors, const SamplerParams& p,
-                                                    double rest_mass = 0.0,
-                                                    const WeightedIds* rest = nullptr) {
-  TokenDistribution d;
-  sort_by_rank(survivors);
-  std::vector<int32_t> ids(survivors.size());
-  for (size_t i = 0; i < survivors.size(); ++i) ids[i] = survivors[i].first;
 
-  // softmax(logits / T) over the survivors, in double for a stable sum.
+// Ids in rank order with their weights exp(logit / T - max / T) (max: the first's), in double for a stable
+// sum.
+struct RankedIds {
+  IdLogits pairs;
+  std::vector<double> weight;
+  double max_scaled = 0.0;  // the first logit / T
+  double mass = 0.0;        // the weights' sum, in rank order
+};
+RankedIds rank(IdLogits ids, double temperature) {
+  RankedIds r{std::move(ids), {}, 0.0, 0.0};
+  sort_by_rank(r.pairs);
+  const double inv_t = 1.0 / temperature;
+  r.max_scaled = r.pairs[0].second * inv_t;
+  r.weight.resize(r.pairs.size());
+  for (size_t i = 0; i < r.pairs.size(); ++i)
+    r.mass += r.weight[i] = std::exp(static_cast<double>(r.pairs[i].second) * inv_t - r.max_scaled);
+  return r;
+}
+
+// What truncate() does once top-k has chosen the survivors, ranked (rank(): highest logit first, ties: lower
+// id first, with their weights): softmax(logit / T), top-p, min-p, renormalized.
+// rest_mass > 0: the ids are the top of a row whose other ids weigh rest_mass in all (each
+// exp(logit / T - max / T)); it counts in top-p's total. The result must not reach below the ids: when
+// top-p or min-p cut inside them, it is the row's; when nothing cuts, a row sampled whole (temperature
+// alone) gets the ids with their share of the row's mass, then `rest` (the ids below with their weights)
+// when given, else `unlisted` = the rest's share. Any other is undecided (nullopt: the ids below are
+// needed).
+std::optional<TokenDistribution> truncate_ranked(const RankedIds& survivors, const SamplerParams& p,
+                                                 double rest_mass = 0.0, const WeightedIds* rest = nullptr) {
+  TokenDistribution d;
+  const IdLogits& pairs = survivors.pairs;
+  const std::vector<double>& w = survivors.weight;
+  const size_t count = pairs.size();
   const double inv_t = 1.0 / p.temperature;
-  const double max_logit = survivors[0].second * inv_t;
-  std::vector<double> w(ids.size());
-  double total = 0.0;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    w[i] = std::exp(static_cast<double>(survivors[i].second) * inv_t - max_logit);
-    total += w[i];
-  }
-  total += rest_mass;
+  const double max_logit = survivors.max_scaled;
+  const double total = survivors.mass + rest_mass;
   bool cut = false;  // whether top-p or min-p dropped ids here (then they drop every id below too)
-  size_t keep = ids.size();
+  size_t keep = count;
   if (p.top_p < 1.0) {
     // Keep token i while the mass strictly before it is < p (HF removes tokens whose ascending cumsum <=
     // 1-p). i == size: the first id past these (nothing, or the rest's first).
     double before = 0.0;
-    for (size_t i = 0; i <= ids.size(); ++i) {
+    for (size_t i = 0; i <= count; ++i) {
       if (before / total >= p.top_p && i > 0) {
         keep = i;
         cut = true;
         break;
       }
-      if (i < ids.size()) before += w[i];
+      if (i < count) before += w[i];
     }
   }
   if (p.min_p > 0.0) {
     const double floor = p.min_p * w[0];
     size_t i = 1;
     while (i < keep && w[i] >= floor) ++i;
-    cut |= i < ids.size();
+    cut |= i < count;
     keep = i;
   }
   const bool whole_row = p.top_p >= 1.0 && p.min_p <= 0.0;
@@ -120,7 +131,8 @@ std::optional<TokenDistribution> truncate_survivors(IdLogits survivors, const Sa
   double kept_total = unlisted ? total : 0.0;
   if (!unlisted)
     for (size_t i = 0; i < keep; ++i) kept_total += w[i];
-  d.ids.assign(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(keep));
+  d.ids.resize(keep);
+  for (size_t i = 0; i < keep; ++i) d.ids[i] = pairs[i].first;
   d.probs.resize(keep);
   for (size_t i = 0; i < keep; ++i) d.probs[i] = static_cast<float>(w[i] / kept_total);
   if (unlisted && rest != nullptr) {
@@ -133,9 +145,13 @@ std::optional<TokenDistribution> truncate_survivors(IdLogits survivors, const Sa
   } else if (unlisted) {
     d.unlisted = rest_mass / total;
     d.scale = {
-        .inv_temperature = inv_t, .max_scaled = max_logit, .total = total, .below = survivors.back().second};
+        .inv_temperature = inv_t, .max_scaled = max_logit, .total = total, .below = pairs.back().second};
   }
   return d;
+}
+// The same from survivors in any order, with nothing below them.
+TokenDistribution truncate_survivors(IdLogits survivors, const SamplerParams& p) {
+  return *truncate_ranked(rank(std::move(survivors), p.temperature), p);
 }
 
 // The k-th largest of logits[0, n) (counting repeats; 0 < k <= n) from one pass that keeps the k largest in
@@ -196,24 +212,17 @@ constexpr int64_t kSortWholeRowsUpTo = 4 * kTopIds;
 constexpr int kBins = 4096;
 constexpr double kBinnedRange = 48.0;
 
-// `weight`: each id's weight exp(logit / T - max / T) where its logit is below `threshold` (the top ids'
-// and NaN's entries unused), `rest_mass` their sum in id order, as truncate() weighed them.
-TokenDistribution truncate_wide(std::span<const float> logits, int64_t n, IdLogits top, float threshold,
-                                const std::vector<double>& weight, double rest_mass, const SamplerParams& p) {
-  sort_by_rank(top);
+// `top`: the top ids, ranked. `weight`: each id's weight exp(logit / T - max / T) where its logit is below
+// `threshold` (the top ids' and NaN's entries unused), `rest_mass` their sum in id order, as truncate()
+// weighed them, and `lowest` the lowest finite logit among them (threshold when none).
+TokenDistribution truncate_wide(std::span<const float> logits, int64_t n, const RankedIds& top,
+                                float threshold, const std::vector<double>& weight, double rest_mass,
+                                float lowest, const SamplerParams& p) {
   const double inv_t = 1.0 / p.temperature;
-  const double max_logit = static_cast<double>(top[0].second) * inv_t;
-  std::vector<double> top_weight(top.size());
-  double top_mass = 0.0;
-  for (size_t i = 0; i < top.size(); ++i)
-    top_mass += top_weight[i] = std::exp(static_cast<double>(top[i].second) * inv_t - max_logit);
+  const float highest = top.pairs[0].second;
+  const double top_mass = top.mass;
   // The bins' width: the row's range of (max - logit) / T over kBins - 1 bins (-infinity goes in the last).
-  float lowest = threshold;
-  for (int64_t i = 0; i < n; ++i) {
-    const float l = logits[static_cast<size_t>(i)];
-    if (l < lowest && std::isfinite(l)) lowest = l;
-  }
-  const double range = std::min(kBinnedRange, (static_cast<double>(top[0].second) - lowest) * inv_t);
+  const double range = std::min(kBinnedRange, (static_cast<double>(highest) - lowest) * inv_t);
   const double bins_per_unit = range > 0.0 ? (kBins - 1) / range : 1.0;
   // Each id's bin (kBins: a top id or NaN, not binned) and the bins' masses.
   std::vector<uint16_t> bin(static_cast<size_t>(n), kBins);
@@ -221,7 +230,7 @@ TokenDistribution truncate_wide(std::span<const float> logits, int64_t n, IdLogi
   for (int64_t i = 0; i < n; ++i) {
     const float l = logits[static_cast<size_t>(i)];
     if (!(l < threshold)) continue;
-    const double position = (static_cast<double>(top[0].second) - l) * inv_t * bins_per_unit;
+    const double position = (static_cast<double>(highest) - l) * inv_t * bins_per_unit;
     const int b = position < kBins - 1 ? static_cast<int>(position) : kBins - 1;
     bin[static_cast<size_t>(i)] = static_cast<uint16_t>(b);
     bin_mass[static_cast<size_t>(b)] += weight[static_cast<size_t>(i)];
@@ -256,7 +265,7 @@ TokenDistribution truncate_wide(std::span<const float> logits, int64_t n, IdLogi
   TokenDistribution d;
   d.ids.reserve(static_cast<size_t>(n));
   double kept_total = top_mass;
-  for (const auto& [id, l] : top) d.ids.push_back(id);
+  for (const auto& [id, l] : top.pairs) d.ids.push_back(id);
   const double floor = p.min_p;  // min-p's share of the top id's weight, exp(0) = 1
   for (int64_t i = 0; i < n; ++i) {
     const int b = bin[static_cast<size_t>(i)];
@@ -272,8 +281,8 @@ TokenDistribution truncate_wide(std::span<const float> logits, int64_t n, IdLogi
   }
   d.probs.resize(d.ids.size());
   for (size_t i = 0; i < d.ids.size(); ++i)
-    d.probs[i] = static_cast<float>((i < top.size() ? top_weight[i] : weight[static_cast<size_t>(d.ids[i])]) /
-                                    kept_total);
+    d.probs[i] = static_cast<float>(
+        (i < top.pairs.size() ? top.weight[i] : weight[static_cast<size_t>(d.ids[i])]) / kept_total);
   return d;
 }
 
@@ -285,17 +294,16 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
   if (p.greedy()) return one_hot(argmax(logits, n));
   if (p.top_k > 0 && p.top_k < n) {
     // Keep every token whose logit is >= the k-th largest (ties at the boundary survive, as in HF).
-    return *truncate_survivors(ids_at_or_above(logits, n, kth_largest(logits, n, p.top_k)), p);
+    return truncate_survivors(ids_at_or_above(logits, n, kth_largest(logits, n, p.top_k)), p);
   }
   // Without top-k: the ids at or above the kTopIds-th largest and the mass of those below (in id order,
-  // each weighed as truncate_survivors weighs the ids); truncate_wide where top-p's prefix reaches below.
+  // each weighed as rank() weighs the ids); truncate_wide where top-p's prefix reaches below.
   if (n > kSortWholeRowsUpTo) {
     const float threshold = kth_largest(logits, n, kTopIds);
-    IdLogits ids = ids_at_or_above(logits, n, threshold);
+    // Ranked once: the truncations below all start from the top ids in rank order with their weights.
+    const RankedIds top = rank(ids_at_or_above(logits, n, threshold), p.temperature);
     const double inv_t = 1.0 / p.temperature;
-    float highest = threshold;
-    for (const auto& [id, l] : ids) highest = std::max(highest, l);
-    const double max_logit = highest * inv_t;
+    const double max_logit = top.max_scaled;
     // Temperature alone samples the whole row: the ids below follow the top ones in id order.
     const bool whole_row = p.top_p >= 1.0 && p.min_p <= 0.0;
     if (!whole_row) {
@@ -303,11 +311,11 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
       // rounding). Top-p's prefix only ends later as the total grows, and the kept ids' probabilities do
       // not depend on the total: where top-p or min-p cut inside the top ids at both ends, the result is
       // the one for the exact rest mass, without the exps of the ids below (3-5 ms a row at 248,320 ids).
-      const double most = static_cast<double>(n - static_cast<int64_t>(ids.size())) *
+      const double most = static_cast<double>(n - static_cast<int64_t>(top.pairs.size())) *
                           std::exp(static_cast<double>(threshold) * inv_t - max_logit) * (1.0 + 1e-9);
       std::optional<TokenDistribution> least_rest =
-          truncate_survivors(ids, p, std::numeric_limits<double>::min());
-      std::optional<TokenDistribution> most_rest = truncate_survivors(ids, p, most);
+          truncate_ranked(top, p, std::numeric_limits<double>::min());
+      std::optional<TokenDistribution> most_rest = truncate_ranked(top, p, most);
       if (least_rest && most_rest && least_rest->ids.size() == most_rest->ids.size())
         return *std::move(most_rest);
     }
@@ -318,24 +326,26 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
     else
       weight.resize(static_cast<size_t>(n));
     double rest_mass = 0.0;
+    float lowest = threshold;  // the lowest finite logit below the top ids: the range truncate_wide bins
     for (int64_t i = 0; i < n; ++i) {
       const float l = logits[static_cast<size_t>(i)];
       if (!(l < threshold)) continue;  // a top id (or NaN)
       const double w = std::exp(static_cast<double>(l) * inv_t - max_logit);
       rest_mass += w;
-      if (whole_row)
+      if (whole_row) {
         rest.emplace_back(static_cast<int32_t>(i), w);
-      else
+      } else {
         weight[static_cast<size_t>(i)] = w;
+        if (l < lowest && std::isfinite(l)) lowest = l;
+      }
     }
-    if (std::optional<TokenDistribution> d = truncate_survivors(ids, p, rest_mass, &rest))
-      return *std::move(d);
-    return truncate_wide(logits, n, std::move(ids), threshold, weight, rest_mass, p);
+    if (std::optional<TokenDistribution> d = truncate_ranked(top, p, rest_mass, &rest)) return *std::move(d);
+    return truncate_wide(logits, n, top, threshold, weight, rest_mass, lowest, p);
   }
   IdLogits ids(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i)
     ids[static_cast<size_t>(i)] = {static_cast<int32_t>(i), logits[static_cast<size_t>(i)]};
-  return *truncate_survivors(std::move(ids), p);
+  return truncate_survivors(std::move(ids), p);
 }
 
 TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<const float> logits,
@@ -351,7 +361,8 @@ TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<co
   }
   IdLogits survivors(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) survivors[i] = {ids[i], logits[i]};
-  std::optional<TokenDistribution> d = truncate_survivors(std::move(survivors), p, rest_mass);
+  std::optional<TokenDistribution> d =
+      truncate_ranked(rank(std::move(survivors), p.temperature), p, rest_mass);
   if (!d)
     fail(ErrorKind::kInternal, "sampling candidates do not decide the truncation (rest mass {})", rest_mass);
   return *std::move(d);

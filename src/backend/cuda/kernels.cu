@@ -563,14 +563,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
 }
 
 // Launches bf16_stream_rows for m <= 8 activation rows where its ring fits (at least 2 stages per warp);
-// false: the caller runs bf16_tile_rows instead (the same outputs). blocks_per_sm: persistent blocks per
-// multiprocessor, each with 1 / blocks_per_sm of kRingBytes.
+// false: the caller runs bf16_tile_rows instead (the same outputs).
 template <int MODE, int RT, int WARPS, bool NORM>
-bool launch_bf16_stream(const GemvGroup<__nv_bfloat16>& g, const float* x, int m_count, cudaStream_t s,
-                        int blocks_per_sm = 1) {
+bool launch_bf16_stream(const GemvGroup<__nv_bfloat16>& g, const float* x, int m_count, cudaStream_t s) {
   constexpr int kTiles = stream_tiles<MODE, RT>();
   const int stage_bytes = kStageBlocks * stream_stage_bytes(kTiles, NORM, m_count);
-  const int stages = std::min(kMaxStages, kRingBytes / blocks_per_sm / (WARPS * stage_bytes));
+  const int stages = std::min(kMaxStages, kRingBytes / (WARPS * stage_bytes));
   if (stages < 2) return false;
   const size_t smem =
       stream_head_bytes(kTiles, WARPS, NORM) + static_cast<size_t>(WARPS) * stages * stage_bytes;
@@ -586,9 +584,8 @@ bool launch_bf16_stream(const GemvGroup<__nv_bfloat16>& g, const float* x, int m
     return most;
   }();
   if (smem > static_cast<size_t>(allowed)) return false;
-  const unsigned blocks =  // persistent: the ring takes most of a multiprocessor's shared memory
-      static_cast<unsigned>(
-          std::min<int64_t>(g.tasks_before[g.count], blocks_per_sm * multiprocessor_count()));
+  const unsigned blocks =  // persistent: one per multiprocessor (the ring takes most of its shared memory)
+      static_cast<unsigned>(std::min<int64_t>(g.tasks_before[g.count], multiprocessor_count()));
   launch_pdl(bf16_stream_rows<MODE, RT, WARPS, NORM>, blocks, WARPS * 32, smem, s, g, x, m_count, stages);
   return true;
 }
@@ -631,10 +628,9 @@ void launch_bf16_tiles(GemvGroup<__nv_bfloat16> g, const float* x, int64_t m, cu
       if (norm ? launch_bf16_stream<MODE, 2, kGemvWarps, true>(g, x, mc, s)
                : launch_bf16_stream<MODE, 2, kGemvWarps, false>(g, x, mc, s))
         return;
-    } else if (mc < bf16_residual_tile_from()) {  // a measurement switch (runtime.h)
-      const int blocks_per_sm = bf16_residual_split() ? 2 : 1;
-      if (!norm && (wide ? launch_bf16_stream<MODE, 1, 2 * kGemvWarps, false>(g, x, mc, s, blocks_per_sm)
-                         : launch_bf16_stream<MODE, 1, kGemvWarps, false>(g, x, mc, s, blocks_per_sm)))
+    } else {
+      if (!norm && (wide ? launch_bf16_stream<MODE, 1, 2 * kGemvWarps, false>(g, x, mc, s)
+                         : launch_bf16_stream<MODE, 1, kGemvWarps, false>(g, x, mc, s)))
         return;
     }
   }

@@ -223,22 +223,6 @@ bool bf16_streaming() {
   return enabled;
 }
 
-int bf16_residual_tile_from() {
-  static const int rows = [] {
-    const char* v = std::getenv("MTPX_BF16_RESIDUAL_TILE_FROM");
-    if (v == nullptr || *v == '\0') return 5;
-    if (v[1] != '\0' || v[0] < '1' || v[0] > '5')
-      invalid_input("MTPX_BF16_RESIDUAL_TILE_FROM must be 1 to 5, got '{}'", v);
-    return v[0] - '0';
-  }();
-  return rows;
-}
-
-bool bf16_residual_split() {
-  static const bool enabled = !unless_env("MTPX_BF16_RESIDUAL_SPLIT", "1");
-  return enabled;
-}
-
 int multiprocessor_count() {
   static const int count = [] {
     int device = 0, n = 0;

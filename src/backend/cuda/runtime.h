@@ -126,16 +126,6 @@ bool int8_row_slices();
 // MTPX_BF16_STREAM=0. Read once.
 bool bf16_streaming();
 
-// Measurement switches for the streamed bf16 residual products (out_proj, o_proj, down) of up to 4 activation
-// rows, which ncu put at 29.8 us each in a 4-row window against 24.3 on the tile kernel (BENCHMARKS.md,
-// session 22). Every setting gives the same outputs bit for bit. Read once.
-// - The row count from which they run bf16_tile_rows instead: MTPX_BF16_RESIDUAL_TILE_FROM, 1 to 5
-//   (default 5: never).
-// - Whether they stream in two blocks per multiprocessor with half the ring each (MTPX_BF16_RESIDUAL_SPLIT=1)
-//   instead of one block with all of it.
-int bf16_residual_tile_from();
-bool bf16_residual_split();
-
 // The current device's streaming multiprocessors. Read once.
 int multiprocessor_count();
 
