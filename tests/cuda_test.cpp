@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <set>
@@ -275,68 +276,193 @@ TEST(Cuda, TopKPassesReturnTheSurvivorsAndSampleAsTheFullRows) {
 // Sampling with top-p or min-p and no top-k on the GPU: passes bring back the rows' top candidates with
 // the rest's mass where those decide the truncation, and the sampler's truncation of them is its truncation
 // of the full row from a pass without the request, to the bit; the rest's mass is the sum over the other
-// ids (double, here) to 1e-9. Rows the candidates do not decide come back as logits. Sampled generations
-// (plain and MTP) are reproducible from the seed.
+// ids (double, here) to 1e-9. With top-p alone and rows_on_request, a row whose prefix ends below the
+// candidates comes back with where it ends (the boundary logit is the lowest the row's truncation keeps,
+// the mass kept below the candidates is the sum here to 1e-9), the sampler lists the candidates as the
+// row's truncation does (to 1e-6: other totals' order) and the device draws among the kept ids below them
+// as the host's reference does. Other rows the candidates do not decide come back as logits. Sampled
+// generations (plain and MTP) are reproducible from the seed.
 TEST(Cuda, TopPAndMinPPassesReturnCandidatesThatDecideTheRows) {
   MTPX_GPU_MODEL(gpu, kDefaultModel);
   const int64_t V = gpu->config().vocab_size;
   const auto prompt = prompt_for(*gpu, 6);
-  int decided_rows = 0, whole_passes = 0;
+  int decided_rows = 0, kept_below_rows = 0, whole_passes = 0;
   for (const SamplerParams& sampler :
        {SamplerParams{.temperature = 0.5, .top_p = 0.9}, SamplerParams{.temperature = 1.0, .min_p = 0.05},
         SamplerParams{.temperature = 0.8, .top_p = 0.95, .min_p = 0.02},
-        SamplerParams{.temperature = 1.5, .top_p = 0.999}}) {
+        SamplerParams{.temperature = 1.5, .top_p = 0.999}, SamplerParams{.temperature = 2.0, .top_p = 0.9}}) {
     for (int64_t limit : {V, int64_t{3000}}) {
-      InferenceState a = gpu->new_state(8), b = gpu->new_state(8);
-      ForwardResult full, got;
-      gpu->forward(a, prompt, LogitRows::kAll, full);
-      gpu->forward(b, prompt, LogitRows::kAll, got, /*record_window=*/true, 0, 0,
-                   candidate_request(sampler, limit));
-      const std::string where = fmt::format("T {} top-p {} min-p {} limit {}", sampler.temperature,
-                                            sampler.top_p, sampler.min_p, limit);
-      if (!got.candidates.present()) {  // some row not decided: all rows' logits, those of the plain pass
-        EXPECT_EQ(got.logits, full.logits) << where;
-        ++whole_passes;
-        continue;
-      }
-      ASSERT_EQ(got.candidates.rows(), static_cast<int64_t>(prompt.size())) << where;
-      EXPECT_TRUE(got.logits.empty()) << where;
-      for (size_t r = 0; r < prompt.size(); ++r) {
-        const std::span<const float> row(&full.logits[r * static_cast<size_t>(V)], static_cast<size_t>(V));
-        const auto ids = got.candidates.row_ids(static_cast<int64_t>(r));
-        const auto values = got.candidates.row_logits(static_cast<int64_t>(r));
-        // The candidates are the row's top: every id < limit at or above the lowest of them.
-        const float lowest = *std::min_element(values.begin(), values.end());
-        std::vector<int32_t> want_ids;
-        double max_logit = -INFINITY;
-        for (int32_t i = 0; i < limit; ++i) {
-          if (row[static_cast<size_t>(i)] >= lowest) want_ids.push_back(i);
-          max_logit = std::max(max_logit, static_cast<double>(row[static_cast<size_t>(i)]));
+      for (bool on_request : {false, true}) {
+        InferenceState a = gpu->new_state(8), b = gpu->new_state(8);
+        ForwardResult full, got;
+        gpu->forward(a, prompt, LogitRows::kAll, full);
+        gpu->forward(b, prompt, LogitRows::kAll, got, /*record_window=*/true, 0, 0,
+                     candidate_request(sampler, limit, on_request));
+        const std::string where =
+            fmt::format("T {} top-p {} min-p {} limit {} rows on request {}", sampler.temperature,
+                        sampler.top_p, sampler.min_p, limit, on_request);
+        if (!got.candidates.present()) {  // some row not decided: all rows' logits, those of the plain pass
+          EXPECT_EQ(got.logits, full.logits) << where;
+          ++whole_passes;
+          continue;
         }
-        std::vector<int32_t> sorted_ids(ids.begin(), ids.end());
-        std::sort(sorted_ids.begin(), sorted_ids.end());
-        ASSERT_EQ(sorted_ids, want_ids) << where << " row " << r;
-        for (size_t i = 0; i < ids.size(); ++i)
-          ASSERT_EQ(values[i], row[static_cast<size_t>(ids[i])]) << where << " row " << r;
-        double rest = 0.0;
-        for (int32_t i = 0; i < limit; ++i)
-          if (row[static_cast<size_t>(i)] < lowest)
-            rest += std::exp((static_cast<double>(row[static_cast<size_t>(i)]) - max_logit) /
-                             sampler.temperature);
-        EXPECT_NEAR(got.candidates.row_rest_mass(static_cast<int64_t>(r)), rest, 1e-9 * (1.0 + rest))
-            << where << " row " << r;
-        const TokenDistribution want = truncate(row, sampler, limit);
-        const TokenDistribution from_candidates =
-            truncate_candidates(ids, values, sampler, got.candidates.row_rest_mass(static_cast<int64_t>(r)));
-        EXPECT_EQ(from_candidates.ids, want.ids) << where << " row " << r;
-        EXPECT_EQ(from_candidates.probs, want.probs) << where << " row " << r;
-        ++decided_rows;
+        ASSERT_EQ(got.candidates.rows(), static_cast<int64_t>(prompt.size())) << where;
+        EXPECT_TRUE(got.logits.empty()) << where;
+        for (size_t r = 0; r < prompt.size(); ++r) {
+          const auto row_index = static_cast<int64_t>(r);
+          const std::span<const float> row(&full.logits[r * static_cast<size_t>(V)], static_cast<size_t>(V));
+          const auto ids = got.candidates.row_ids(row_index);
+          const auto values = got.candidates.row_logits(row_index);
+          // The candidates are the row's top: every id < limit at or above the lowest of them.
+          const float lowest = *std::min_element(values.begin(), values.end());
+          std::vector<int32_t> want_ids;
+          double max_logit = -INFINITY;
+          for (int32_t i = 0; i < limit; ++i) {
+            if (row[static_cast<size_t>(i)] >= lowest) want_ids.push_back(i);
+            max_logit = std::max(max_logit, static_cast<double>(row[static_cast<size_t>(i)]));
+          }
+          std::vector<int32_t> sorted_ids(ids.begin(), ids.end());
+          std::sort(sorted_ids.begin(), sorted_ids.end());
+          ASSERT_EQ(sorted_ids, want_ids) << where << " row " << r;
+          for (size_t i = 0; i < ids.size(); ++i)
+            ASSERT_EQ(values[i], row[static_cast<size_t>(ids[i])]) << where << " row " << r;
+          double rest = 0.0;
+          for (int32_t i = 0; i < limit; ++i)
+            if (row[static_cast<size_t>(i)] < lowest)
+              rest += std::exp((static_cast<double>(row[static_cast<size_t>(i)]) - max_logit) /
+                               sampler.temperature);
+          EXPECT_NEAR(got.candidates.row_rest_mass(row_index), rest, 1e-9 * (1.0 + rest))
+              << where << " row " << r;
+          const KeptBelow kept = got.candidates.row_kept_below(row_index);
+          const TokenDistribution want = truncate(row, sampler, limit);
+          const TokenDistribution from_candidates =
+              truncate_candidates(ids, values, sampler, got.candidates.row_rest_mass(row_index), kept);
+          if (kept.mass <= 0.0) {
+            EXPECT_EQ(from_candidates.ids, want.ids) << where << " row " << r;
+            EXPECT_EQ(from_candidates.probs, want.probs) << where << " row " << r;
+            ++decided_rows;
+            continue;
+          }
+          // Top-p's prefix ends below the candidates.
+          ASSERT_TRUE(on_request && sampler.min_p <= 0.0) << where << " row " << r;
+          ASSERT_EQ(from_candidates.ids.size(), ids.size()) << where << " row " << r;
+          ASSERT_GT(want.ids.size(), ids.size()) << where << " row " << r;
+          for (size_t i = 0; i < ids.size(); ++i) {
+            ASSERT_EQ(from_candidates.ids[i], want.ids[i]) << where << " row " << r;
+            ASSERT_NEAR(from_candidates.probs[i], want.probs[i], 1e-6 * want.probs[i])
+                << where << " row " << r;
+          }
+          double unlisted = 0.0, kept_mass = 0.0;
+          float lowest_kept = INFINITY;
+          for (size_t i = ids.size(); i < want.ids.size(); ++i) {
+            const float l = row[static_cast<size_t>(want.ids[i])];
+            unlisted += want.probs[i];
+            kept_mass += std::exp((static_cast<double>(l) - max_logit) / sampler.temperature);
+            lowest_kept = std::min(lowest_kept, l);
+          }
+          EXPECT_EQ(kept.at_least, lowest_kept) << where << " row " << r;
+          EXPECT_NEAR(kept.mass, kept_mass, 1e-9 * kept_mass) << where << " row " << r;
+          EXPECT_NEAR(from_candidates.unlisted, unlisted, 1e-5) << where << " row " << r;
+          const testing_util::TopPEnd end =
+              testing_util::top_p_end(row, limit, sampler.temperature, sampler.top_p, lowest);
+          EXPECT_EQ(end.boundary, kept.at_least) << where << " row " << r;
+          const std::vector<float> row_copy(row.begin(), row.end());
+          for (double f : {0.0, 0.3, 0.77, 0.999999, 1.5}) {
+            BelowDraw at = below_draw(from_candidates, 1.0 - from_candidates.unlisted * (1.0 - f));
+            at.limit = limit;
+            at.weight = f * kept.mass;
+            const int32_t drawn = gpu->draw_below(b, row_index, at);
+            EXPECT_EQ(drawn, testing_util::draw_below_reference(row_copy, at))
+                << where << " row " << r << " at " << f << " of the kept mass";
+            ASSERT_GE(drawn, 0) << where;
+            EXPECT_GE(row[static_cast<size_t>(drawn)], kept.at_least) << where << " row " << r;
+            EXPECT_LT(row[static_cast<size_t>(drawn)], lowest) << where << " row " << r;
+          }
+          ++kept_below_rows;
+        }
       }
     }
   }
-  EXPECT_GT(decided_rows, 24);  // most passes are decided by their candidates
-  EXPECT_GT(whole_passes, 0);   // T 1.5 with top-p 0.999 reaches past them
+  EXPECT_GT(decided_rows, 24);    // most passes are decided by their candidates
+  EXPECT_GT(kept_below_rows, 5);  // T 1.5 with top-p 0.999 and T 2 with top-p 0.9 reach past them
+  EXPECT_GT(whole_passes, 0);     // those without rows_on_request, or with min-p
   expect_reproducible_sampling(*gpu, prompt, {.temperature = 0.8, .top_p = 0.9}, 9);
+  expect_reproducible_sampling(*gpu, prompt, {.temperature = 1.5, .top_p = 0.95}, 9);
+}
+
+// generate() with top-p alone on the GPU where the prefixes end below the rows' top ids: no row is copied,
+// and the tokens are those of a host loop over the copied rows, each truncated as the sampler lists it
+// from the device's answer (the row's truncation where the candidates decide it, else the candidates
+// ranked and the kept ids below them in id order, drawn at the same u).
+TEST(Cuda, TopPGenerationCopiesNoRowAndDrawsAsTheRows) {
+  MTPX_GPU_MODEL(gpu, kDefaultModel);
+  const int64_t V = gpu->config().vocab_size;
+  const auto prompt = prompt_for(*gpu, 6);
+  GenerateOptions o;
+  o.max_tokens = 40;
+  o.seed = 23;
+  for (const SamplerParams& sampler :
+       {SamplerParams{.temperature = 2.0, .top_p = 0.95}, SamplerParams{.temperature = 1.0, .top_p = 0.99}}) {
+    o.sampler = sampler;
+    const std::string where = fmt::format("T {} top-p {}", sampler.temperature, sampler.top_p);
+    const GenerateResult generated = generate(*gpu, prompt, o);
+    ASSERT_EQ(generated.tokens.size(), 40u) << where;
+    EXPECT_EQ(generated.stats.logit_rows_fetched, 0) << where;
+    InferenceState state = gpu->new_state(64);
+    Rng rng(o.seed);
+    ForwardResult pass;
+    std::vector<int32_t> tokens;
+    int64_t below = 0;
+    gpu->forward(state, prompt, LogitRows::kLast, pass);
+    const CandidateRequest request = candidate_request(sampler, V, true);
+    while (tokens.size() < 40) {
+      const std::vector<float>& row = pass.logits;
+      std::vector<float> sorted = row;
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      std::vector<int32_t> ids;
+      std::vector<float> values;
+      double candidate_mass = 0.0, rest = 0.0;
+      for (int32_t i = 0; i < V; ++i) {
+        const float l = row[static_cast<size_t>(i)];
+        const double w = std::exp((static_cast<double>(l) - sorted[0]) / sampler.temperature);
+        if (l >= sorted[767])
+          ids.push_back(i), values.push_back(l), candidate_mass += w;
+        else
+          rest += w;
+      }
+      const testing_util::TopPEnd end =
+          testing_util::top_p_end(row, V, sampler.temperature, sampler.top_p, sorted[767]);
+      const double lowest_weight =
+          std::exp((static_cast<double>(sorted[767]) - sorted[0]) / sampler.temperature);
+      const TokenDistribution d =
+          !request.decided_by(candidate_mass, rest, lowest_weight) &&
+                  request.decides_kept_below(candidate_mass, end.above, end.at, end.count,
+                                             candidate_mass + rest)
+              ? truncate_candidates(ids, values, sampler, rest,
+                                    {.at_least = end.boundary, .mass = end.above + end.at})
+              : truncate(row, sampler, V);
+      const double u = rng.uniform();
+      std::optional<int32_t> id = draw(d, u);
+      if (!id) {
+        BelowDraw at = below_draw(d, u);
+        at.limit = V;
+        id = testing_util::draw_below_reference(row, at);
+        ++below;
+      }
+      tokens.push_back(*id);
+      gpu->forward(state, std::span<const int32_t>(&tokens.back(), 1), LogitRows::kLast, pass);
+    }
+    EXPECT_EQ(generated.tokens, tokens) << where;
+    EXPECT_EQ(generated.stats.draws_below, below) << where;
+    std::printf("%s on the GPU: %lld of 40 draws landed below the top ids\n", where.c_str(),
+                static_cast<long long>(generated.stats.draws_below));
+    if (sampler.temperature > 1.5) {
+      EXPECT_GT(generated.stats.draws_below, 0) << where;
+    }
+  }
+  // Top-p with min-p whose prefix ends below the candidates still copies those rows.
+  o.sampler = {.temperature = 2.0, .top_p = 0.99, .min_p = 1e-6};
+  EXPECT_GT(generate(*gpu, prompt, o).stats.logit_rows_fetched, 0);
 }
 
 // Temperature alone samples the whole row: with rows_on_request a pass returns each row's top ids (at or

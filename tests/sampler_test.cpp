@@ -1,5 +1,6 @@
 #include "decode/sampler.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,8 +9,10 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "test_util.h"
@@ -207,6 +210,138 @@ TEST(Sampler, ThresholdCandidatesWithTheRestMassDecideTheTruncationOfTheRow) {
   EXPECT_TRUE(candidate_request({.temperature = 1.0, .top_k = 20}, 100).top_k_active());
   EXPECT_FALSE(candidate_request({.temperature = 1.0, .top_k = 100, .top_p = 0.9}, 100).top_k_active());
   EXPECT_THROW(truncate_candidates(std::vector<int32_t>{1}, std::vector<float>{0.0f}, {.top_p = 0.5}, -1.0),
+               Error);
+}
+
+// Top-p alone whose prefix ends below a device's top ids: the device says where (the boundary logit, the
+// mass above it below the top ids, at it and how many ids share it; computed here from a sort of the row,
+// ranked by logit, ties by id). Where CandidateRequest::decides_kept_below() holds, truncate_candidates
+// lists the top ids as truncate() of the row lists them (to 1e-6: the totals are summed in other orders),
+// gives each id below its probability in the row's truncation through prob_of_logit (0 for those top-p
+// drops), and a draw below the top (here on the host) follows the row listed as its top ids, then the
+// kept ones in id order. A boundary shared by ids of which top-p keeps only some is refused.
+TEST(Sampler, TopPEndingBelowADevicesTopIdsIsTheRowsTruncation) {
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  int decided = 0, refused = 0;
+  for (int trial = 0; trial < 6; ++trial) {
+    const int64_t n = 9000 + trial * 4111;
+    std::vector<float> logits(static_cast<size_t>(n));
+    const bool grid = trial % 3 == 2;  // ties: a few hundred ids share each logit
+    for (float& l : logits) l = grid ? std::round(normal(rng) * 16) / 16 : normal(rng);
+    std::vector<int32_t> ranked(static_cast<size_t>(n));
+    std::iota(ranked.begin(), ranked.end(), 0);
+    std::sort(ranked.begin(), ranked.end(), [&](int32_t a, int32_t b) {
+      const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
+      return la > lb || (la == lb && a < b);
+    });
+    const float threshold = logits[static_cast<size_t>(ranked[767])];
+    const auto [ids, values] = candidates_at_or_above(logits, n, threshold, rng);
+    for (const double t : {0.8, 1.0, 1.5}) {
+      const double max_logit = logits[static_cast<size_t>(ranked[0])];
+      auto weight = [&](int32_t id) {
+        return std::exp((static_cast<double>(logits[static_cast<size_t>(id)]) - max_logit) / t);
+      };
+      double total = 0.0, candidate_mass = 0.0;
+      for (int32_t id : ranked) total += weight(id);
+      for (int32_t id : ids) candidate_mass += weight(id);
+      for (const double top_p : {0.6, 0.8, 0.97}) {
+        const SamplerParams p{.temperature = t, .top_p = top_p};
+        const std::string where = fmt::format("n {} T {} top-p {}", n, t, top_p);
+        // The last id the prefix keeps: the mass before it is < top_p of the total.
+        double before = 0.0;
+        size_t last = 0;
+        for (size_t i = 0; i < ranked.size() && before < top_p * total; ++i)
+          last = i, before += weight(ranked[i]);
+        const float boundary = logits[static_cast<size_t>(ranked[last])];
+        ASSERT_LT(boundary, threshold) << where;  // flat rows: the prefix ends below the top ids
+        double above = 0.0, at = 0.0;
+        int64_t count = 0;
+        for (int32_t i = 0; i < n; ++i) {
+          const float l = logits[static_cast<size_t>(i)];
+          if (l < threshold && l > boundary) above += weight(i);
+          if (l == boundary) at += weight(i), ++count;
+        }
+        const CandidateRequest request = candidate_request(p, n);
+        ASSERT_FALSE(request.decided_by(candidate_mass, total - candidate_mass, 0.0)) << where;
+        if (!request.decides_kept_below(candidate_mass, above, at, count, total)) {
+          ++refused;
+          EXPECT_GT(count, 1) << where;  // only a boundary shared with ids top-p drops
+          continue;
+        }
+        ++decided;
+        const TokenDistribution top = truncate_candidates(ids, values, p, total - candidate_mass,
+                                                          {.at_least = boundary, .mass = above + at});
+        const TokenDistribution row = truncate(logits, p, n);
+        ASSERT_EQ(top.ids.size(), ids.size()) << where;
+        ASSERT_GT(row.ids.size(), ids.size()) << where;
+        for (size_t i = 0; i < top.ids.size(); ++i) {
+          ASSERT_EQ(top.ids[i], row.ids[i]) << where;
+          ASSERT_NEAR(top.probs[i], row.probs[i], 1e-6 * row.probs[i]) << where;
+        }
+        double unlisted = 0.0;
+        std::set<int32_t> kept;
+        for (size_t i = ids.size(); i < row.ids.size(); ++i) {
+          kept.insert(row.ids[i]);
+          unlisted += row.probs[i];
+          ASSERT_NEAR(top.prob_of_logit(logits[static_cast<size_t>(row.ids[i])]), row.probs[i],
+                      1e-6 * row.probs[i])
+              << where << " id " << row.ids[i];
+        }
+        EXPECT_NEAR(top.unlisted, unlisted, 1e-5) << where;
+        int dropped = 0;
+        for (int32_t i = 0; i < n; ++i)
+          if (logits[static_cast<size_t>(i)] < threshold && kept.count(i) == 0) {
+            ASSERT_EQ(top.prob_of_logit(logits[static_cast<size_t>(i)]), 0.0f) << where << " id " << i;
+            ++dropped;
+          }
+        EXPECT_GT(dropped, 0) << where;
+        // The inverse CDF of the top ids ranked, then the kept ones in id order; draws below the top land
+        // where it puts u (or a neighbour, within the floats' rounding of the listed probabilities).
+        std::vector<int32_t> listed(top.ids);
+        for (int32_t id : kept) listed.push_back(id);
+        std::vector<double> cumulative;
+        double sum = 0.0;
+        for (int32_t id : listed) cumulative.push_back(sum += weight(id));
+        for (int i = 0; i < 3000; ++i) {
+          const double u = (i + 0.5) / 3000;
+          const size_t k = static_cast<size_t>(
+              std::upper_bound(cumulative.begin(), cumulative.end(), u * sum) - cumulative.begin());
+          const std::optional<int32_t> from_top = draw(top, u);
+          const int32_t got = from_top ? *from_top : [&] {
+            BelowDraw d = below_draw(top, u);
+            d.limit = n;
+            return testing_util::draw_below_reference(logits, d);
+          }();
+          const double start = k == 0 ? 0.0 : cumulative[k - 1] / sum, end = cumulative[k] / sum;
+          const bool neighbour = (u - start < 1e-6 && k > 0 && got == listed[k - 1]) ||
+                                 (end - u < 1e-6 && k + 1 < listed.size() && got == listed[k + 1]);
+          ASSERT_TRUE(got == listed[k] || neighbour)
+              << where << " u " << u << ": " << got << " for " << listed[k];
+        }
+      }
+    }
+  }
+  EXPECT_GT(decided, 25);
+  EXPECT_GT(refused, 0);  // the grid's rows: boundaries shared by a few hundred ids
+  // The rule on small numbers (total 1 unless said): an id is kept while the mass before it is < top_p.
+  const CandidateRequest top_p_85{.limit = 10, .top_p = 0.85}, top_p_75{.limit = 10, .top_p = 0.75};
+  EXPECT_TRUE(top_p_85.decides_kept_below(0.5, 0.3, 0.1, 1, 1.0));    // 0.8 before it, 0.9 after
+  EXPECT_FALSE(top_p_85.decides_kept_below(0.5, 0.4, 0.1, 1, 1.0));   // 0.9 before it: not kept
+  EXPECT_FALSE(top_p_85.decides_kept_below(0.5, 0.2, 0.1, 1, 1.0));   // 0.8 after it: the next is kept
+  EXPECT_TRUE(top_p_85.decides_kept_below(0.5, 0.2, 0.2, 2, 1.0));    // 0.7 and 0.8 before the two at it
+  EXPECT_FALSE(top_p_75.decides_kept_below(0.5, 0.2, 0.2, 2, 1.0));   // 0.8 before the second: one of two
+  EXPECT_TRUE(top_p_75.decides_kept_below(0.5, 0.2, 0.2, 2, 1.1));    // 0.8 < 0.825 before the second
+  EXPECT_FALSE(top_p_85.decides_kept_below(0.5, 0.3, 0.05, 1, 1.0));  // 0.85 after it: within the margin
+  EXPECT_FALSE(top_p_85.decides_kept_below(0.5, 0.3, 0.0, 0, 1.0));   // no id at the boundary
+  EXPECT_FALSE(
+      (CandidateRequest{.limit = 10, .top_p = 0.85, .min_p = 0.1}.decides_kept_below(0.5, 0.3, 0.1, 1, 1.0)));
+  EXPECT_FALSE(
+      (CandidateRequest{.limit = 10, .top_k = 5, .top_p = 0.85}.decides_kept_below(0.5, 0.3, 0.1, 1, 1.0)));
+  const std::vector<int32_t> three_ids = {4, 1, 7};
+  const std::vector<float> three_logits = {0.5f, 1.0f, 0.25f};
+  EXPECT_THROW(truncate_candidates(three_ids, three_logits, {.temperature = 1.0, .top_p = 0.5, .min_p = 0.1},
+                                   1.0, {.at_least = -1.0f, .mass = 0.5}),
                Error);
 }
 

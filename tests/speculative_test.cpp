@@ -108,8 +108,10 @@ TEST(AcceptDrafts, ResidualOfRowsSampledWhole) {
     ASSERT_NEAR(r.probs[i], expected[static_cast<size_t>(r.ids[i])] / total, 1e-6) << r.ids[i];
 }
 
-// Rows sampled whole listed in part, as a device returns them: the top `top` ids (ties included) with their
-// share and the rest's share unlisted; `below` reaches under them from the rows' logits.
+// Rows listed in part, as a device returns them: the top `top` ids (ties included) with their share, and
+// the share of the ids kept below them unlisted: all of them sampled whole (temperature alone), those down
+// to top-p's boundary with top-p whose prefix ends below the top ids; `below` reaches under them from the
+// rows' logits.
 struct RowsInPart {
   int64_t n = 0, top = 0;
   SamplerParams sampler;
@@ -118,16 +120,26 @@ struct RowsInPart {
     std::sort(sorted.begin(), sorted.end(), std::greater<>());
     std::vector<int32_t> ids;
     std::vector<float> values;
-    double rest = 0;
+    const float threshold = sorted[static_cast<size_t>(top - 1)];
+    double candidate_mass = 0, rest = 0;
     for (int32_t i = 0; i < n; ++i) {
       const float l = logits[static_cast<size_t>(i)];
-      if (l >= sorted[static_cast<size_t>(top - 1)]) {
-        ids.push_back(i), values.push_back(l);
+      const double w = std::exp((static_cast<double>(l) - sorted[0]) / sampler.temperature);
+      if (l >= threshold) {
+        ids.push_back(i), values.push_back(l), candidate_mass += w;
       } else {
-        rest += std::exp((static_cast<double>(l) - sorted[0]) / sampler.temperature);
+        rest += w;
       }
     }
-    return truncate_candidates(ids, values, sampler, rest);
+    if (sampler.top_p >= 1.0) return truncate_candidates(ids, values, sampler, rest);
+    const testing_util::TopPEnd end =
+        testing_util::top_p_end(logits, n, sampler.temperature, sampler.top_p, threshold);
+    const CandidateRequest request = candidate_request(sampler, n, true);
+    EXPECT_TRUE(end.boundary < threshold && request.decides_kept_below(candidate_mass, end.above, end.at,
+                                                                       end.count, candidate_mass + rest))
+        << "top-p's prefix should end below the top ids";
+    return truncate_candidates(ids, values, sampler, rest,
+                               {.at_least = end.boundary, .mass = end.above + end.at});
   }
 };
 
@@ -138,60 +150,63 @@ TEST(AcceptDrafts, RowsListedInPartAcceptAsTheWholeRows) {
   std::mt19937 gen(8);
   std::normal_distribution<float> normal(0.0f, 2.0f);
   const int64_t K = 3;
-  const RowsInPart part{.n = 6000, .top = 768, .sampler = {.temperature = 1.2}};
-  auto row = [&] {
-    std::vector<float> logits(static_cast<size_t>(part.n));
-    for (float& l : logits) l = normal(gen);
-    return logits;
-  };
-  int rejected = 0, all_accepted = 0, logits_read = 0;
-  for (int trial = 0; trial < 40; ++trial) {
-    std::vector<std::vector<float>> p_logits, q_logits;
-    std::vector<TokenDistribution> p_whole, q_whole, p_part, q_part;
-    for (int64_t i = 0; i <= K; ++i) {
-      p_logits.push_back(row());
-      p_whole.push_back(truncate(p_logits.back(), part.sampler, part.n));
-      p_part.push_back(part.in_part(p_logits.back()));
-      ASSERT_GT(p_part.back().unlisted, 0.0);
-      if (i == K) break;
-      q_logits.push_back(row());
-      q_whole.push_back(truncate(q_logits.back(), part.sampler, part.n));
-      q_part.push_back(part.in_part(q_logits.back()));
-    }
-    RowsBelow below;
-    below.logit = [&](bool target, size_t i, int32_t id) {
-      ++logits_read;
-      return (target ? p_logits : q_logits)[i][static_cast<size_t>(id)];
+  for (const SamplerParams& sampler :
+       {SamplerParams{.temperature = 1.2}, SamplerParams{.temperature = 1.2, .top_p = 0.95}}) {
+    const RowsInPart part{.n = 6000, .top = 768, .sampler = sampler};
+    auto row = [&] {
+      std::vector<float> logits(static_cast<size_t>(part.n));
+      for (float& l : logits) l = normal(gen);
+      return logits;
     };
-    below.whole = [&](bool target, size_t i) -> const TokenDistribution& {
-      return target ? p_whole[i] : q_whole[i];
-    };
-    for (uint64_t seed = 0; seed < 50; ++seed) {
-      Rng draft_rng(seed * 31 + static_cast<uint64_t>(trial));
-      std::vector<int32_t> drafts;
-      for (const TokenDistribution& q : q_whole) drafts.push_back(sample(q, draft_rng));
-      Rng a(seed), b(seed);
-      const std::vector<int32_t> from_part = accept_drafts(drafts, q_part, p_part, a, below),
-                                 from_whole = accept_drafts(drafts, q_whole, p_whole, b);
-      ASSERT_EQ(from_part.size(), from_whole.size()) << "trial " << trial << " seed " << seed;
-      if (from_part.size() == drafts.size() + 1) {
-        ASSERT_EQ(from_part, from_whole) << "trial " << trial << " seed " << seed;  // the same bonus draw
-        ++all_accepted;
-      } else {
-        ++rejected;  // the same accepted prefix; the recovered token has the residual's law (test below)
-        ASSERT_TRUE(std::equal(from_part.begin(), from_part.end() - 1, from_whole.begin()));
+    int rejected = 0, all_accepted = 0, logits_read = 0;
+    for (int trial = 0; trial < 40; ++trial) {
+      std::vector<std::vector<float>> p_logits, q_logits;
+      std::vector<TokenDistribution> p_whole, q_whole, p_part, q_part;
+      for (int64_t i = 0; i <= K; ++i) {
+        p_logits.push_back(row());
+        p_whole.push_back(truncate(p_logits.back(), part.sampler, part.n));
+        p_part.push_back(part.in_part(p_logits.back()));
+        ASSERT_GT(p_part.back().unlisted, 0.0);
+        if (i == K) break;
+        q_logits.push_back(row());
+        q_whole.push_back(truncate(q_logits.back(), part.sampler, part.n));
+        q_part.push_back(part.in_part(q_logits.back()));
+      }
+      RowsBelow below;
+      below.logit = [&](bool target, size_t i, int32_t id) {
+        ++logits_read;
+        return (target ? p_logits : q_logits)[i][static_cast<size_t>(id)];
+      };
+      below.whole = [&](bool target, size_t i) -> const TokenDistribution& {
+        return target ? p_whole[i] : q_whole[i];
+      };
+      for (uint64_t seed = 0; seed < 50; ++seed) {
+        Rng draft_rng(seed * 31 + static_cast<uint64_t>(trial));
+        std::vector<int32_t> drafts;
+        for (const TokenDistribution& q : q_whole) drafts.push_back(sample(q, draft_rng));
+        Rng a(seed), b(seed);
+        const std::vector<int32_t> from_part = accept_drafts(drafts, q_part, p_part, a, below),
+                                   from_whole = accept_drafts(drafts, q_whole, p_whole, b);
+        ASSERT_EQ(from_part.size(), from_whole.size()) << "trial " << trial << " seed " << seed;
+        if (from_part.size() == drafts.size() + 1) {
+          ASSERT_EQ(from_part, from_whole) << "trial " << trial << " seed " << seed;  // the same bonus draw
+          ++all_accepted;
+        } else {
+          ++rejected;  // the same accepted prefix; the recovered token has the residual's law (test below)
+          ASSERT_TRUE(std::equal(from_part.begin(), from_part.end() - 1, from_whole.begin()));
+        }
       }
     }
+    EXPECT_GT(rejected, 100) << "top-p " << sampler.top_p;
+    EXPECT_GT(all_accepted, 0) << "top-p " << sampler.top_p;
+    EXPECT_GT(logits_read, 0) << "top-p " << sampler.top_p;
+    Rng rng(1);
+    const TokenDistribution listed = part.in_part(row());
+    std::vector<int32_t> below_ids;  // an id below the listed ones: its probability needs more of the row
+    for (int32_t i = 0; i < part.n && below_ids.empty(); ++i)
+      if (listed.prob(i) == 0.0f) below_ids.push_back(i);
+    EXPECT_THROW(accept_drafts(below_ids, std::vector{listed}, std::vector{listed, listed}, rng), Error);
   }
-  EXPECT_GT(rejected, 100);
-  EXPECT_GT(all_accepted, 0);
-  EXPECT_GT(logits_read, 0);
-  Rng rng(1);
-  const TokenDistribution listed = part.in_part(row());
-  std::vector<int32_t> below_ids;  // an id below the listed ones: its probability needs more of the row
-  for (int32_t i = 0; i < part.n && below_ids.empty(); ++i)
-    if (listed.prob(i) == 0.0f) below_ids.push_back(i);
-  EXPECT_THROW(accept_drafts(below_ids, std::vector{listed}, std::vector{listed, listed}, rng), Error);
 }
 
 // draw_residual from rows listed in part (proposals from p kept with probability max(0, 1 - q / p)) has the
@@ -201,44 +216,47 @@ TEST(AcceptDrafts, RowsListedInPartAcceptAsTheWholeRows) {
 TEST(AcceptDrafts, ResidualOfRowsListedInPartHasTheResidualLaw) {
   std::mt19937 gen(21);
   std::normal_distribution<float> normal(0.0f, 2.0f), jitter(0.0f, 0.01f);
-  const RowsInPart part{.n = 1000, .top = 100, .sampler = {.temperature = 1.2}};
-  std::vector<float> p_logits(static_cast<size_t>(part.n));
-  for (float& l : p_logits) l = normal(gen);
-  for (bool close : {false, true}) {
-    std::vector<float> q_logits = p_logits;
-    for (float& l : q_logits) l = close ? l + jitter(gen) : normal(gen);
-    const TokenDistribution p_whole = truncate(p_logits, part.sampler, part.n),
-                            q_whole = truncate(q_logits, part.sampler, part.n);
-    const TokenDistribution p_part = part.in_part(p_logits), q_part = part.in_part(q_logits);
-    // p draws below its top ids as a device does (in id order), q only from its whole row.
-    int q_whole_asked = 0;
-    const SampledRow p_row{p_part, [&](int32_t id) { return p_logits[static_cast<size_t>(id)]; },
-                           [&](BelowDraw d) {
-                             d.limit = part.n;
-                             return testing_util::draw_below_reference(p_logits, d);
-                           },
-                           [&]() -> const TokenDistribution& { return p_whole; }};
-    const SampledRow q_row{q_part,
-                           [&](int32_t id) { return q_logits[static_cast<size_t>(id)]; },
-                           {},
-                           [&]() -> const TokenDistribution& {
-                             ++q_whole_asked;
-                             return q_whole;
-                           }};
-    const TokenDistribution exact = residual_distribution(p_whole, q_whole);
-    const int draws = 20000;
-    std::map<std::string, int> from_part, from_exact;
-    Rng a(3), b(4);
-    for (int i = 0; i < draws; ++i) {
-      ++from_part[std::to_string(draw_residual(p_row, q_row, a))];
-      ++from_exact[std::to_string(sample(exact, b))];
+  for (const SamplerParams& sampler :
+       {SamplerParams{.temperature = 1.2}, SamplerParams{.temperature = 1.2, .top_p = 0.9}}) {
+    const RowsInPart part{.n = 1000, .top = 100, .sampler = sampler};
+    std::vector<float> p_logits(static_cast<size_t>(part.n));
+    for (float& l : p_logits) l = normal(gen);
+    for (bool close : {false, true}) {
+      std::vector<float> q_logits = p_logits;
+      for (float& l : q_logits) l = close ? l + jitter(gen) : normal(gen);
+      const TokenDistribution p_whole = truncate(p_logits, part.sampler, part.n),
+                              q_whole = truncate(q_logits, part.sampler, part.n);
+      const TokenDistribution p_part = part.in_part(p_logits), q_part = part.in_part(q_logits);
+      // p draws below its top ids as a device does (in id order), q only from its whole row.
+      int q_whole_asked = 0;
+      const SampledRow p_row{p_part, [&](int32_t id) { return p_logits[static_cast<size_t>(id)]; },
+                             [&](BelowDraw d) {
+                               d.limit = part.n;
+                               return testing_util::draw_below_reference(p_logits, d);
+                             },
+                             [&]() -> const TokenDistribution& { return p_whole; }};
+      const SampledRow q_row{q_part,
+                             [&](int32_t id) { return q_logits[static_cast<size_t>(id)]; },
+                             {},
+                             [&]() -> const TokenDistribution& {
+                               ++q_whole_asked;
+                               return q_whole;
+                             }};
+      const TokenDistribution exact = residual_distribution(p_whole, q_whole);
+      const int draws = 20000;
+      std::map<std::string, int> from_part, from_exact;
+      Rng a(3), b(4);
+      for (int i = 0; i < draws; ++i) {
+        ++from_part[std::to_string(draw_residual(p_row, q_row, a))];
+        ++from_exact[std::to_string(sample(exact, b))];
+      }
+      const auto [chi2, critical] = chi_square_two_sample(from_part, from_exact);
+      EXPECT_LT(chi2, critical) << (close ? "close rows" : "rows far apart") << ", top-p " << sampler.top_p;
+      if (close)
+        EXPECT_GT(q_whole_asked, draws / 10);  // the proposals gave up (residual mass ~1%)
+      else
+        EXPECT_LT(q_whole_asked, draws / 1000);
     }
-    const auto [chi2, critical] = chi_square_two_sample(from_part, from_exact);
-    EXPECT_LT(chi2, critical) << (close ? "close rows" : "rows far apart");
-    if (close)
-      EXPECT_GT(q_whole_asked, draws / 10);  // the proposals gave up (residual mass ~1%)
-    else
-      EXPECT_LT(q_whole_asked, draws / 1000);
   }
 }
 

@@ -31,17 +31,18 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
   // Greedy: the pass's own argmax (on a device only that id is copied back), the one-hot truncate() gives.
   const int64_t argmax_limit = options.sampler.greedy() ? vocab_limit : 0;
   // Sampling: on a device only each row's candidates come back where they decide the truncation (device.h).
-  // A row sampled whole (temperature alone) comes back as its top ids and the rest's mass; a draw that lands
-  // below them is drawn on the device (sampler.h: below_draw()).
+  // A row sampled whole (temperature alone), or whose top-p prefix ends below its top ids, comes back as
+  // those and the mass kept below them; a draw that lands below them is drawn on the device (sampler.h:
+  // below_draw()).
   const CandidateRequest sample_request = candidate_request(options.sampler, vocab_limit, true);
   auto t0 = Clock::now();
   model.forward(state, prompt, LogitRows::kLast, forward, false, argmax_limit, 0, sample_request);
   auto next = [&]() {
     if (argmax_limit > 0) return sample(one_hot(forward.argmax[0]), rng);
     if (forward.candidates.present()) {
-      const TokenDistribution d =
-          truncate_candidates(forward.candidates.row_ids(0), forward.candidates.row_logits(0),
-                              options.sampler, forward.candidates.row_rest_mass(0));
+      const TokenDistribution d = truncate_candidates(
+          forward.candidates.row_ids(0), forward.candidates.row_logits(0), options.sampler,
+          forward.candidates.row_rest_mass(0), forward.candidates.row_kept_below(0));
       const double u = rng.uniform();
       if (const std::optional<int32_t> id = draw(d, u)) return *id;
       ++result.stats.draws_below;  // below the row's top ids: drawn on the device

@@ -27,6 +27,7 @@ float TokenDistribution::prob(int32_t id) const {
 
 float TokenDistribution::prob_of_logit(float logit) const {
   if (unlisted <= 0.0) fail(ErrorKind::kInternal, "prob_of_logit: a distribution listed whole");
+  if (!(logit >= scale.at_least)) return 0.0f;  // below what top-p keeps
   return static_cast<float>(std::exp(static_cast<double>(logit) * scale.inv_temperature - scale.max_scaled) /
                             scale.total);
 }
@@ -349,7 +350,7 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
 }
 
 TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<const float> logits,
-                                      const SamplerParams& p, double rest_mass) {
+                                      const SamplerParams& p, double rest_mass, KeptBelow kept_below) {
   if (ids.empty() || ids.size() != logits.size())
     invalid_input("truncate_candidates: {} ids with {} logits", ids.size(), logits.size());
   if (!(rest_mass >= 0.0)) invalid_input("truncate_candidates: a rest mass of {}", rest_mass);
@@ -361,8 +362,30 @@ TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<co
   }
   IdLogits survivors(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) survivors[i] = {ids[i], logits[i]};
-  std::optional<TokenDistribution> d =
-      truncate_ranked(rank(std::move(survivors), p.temperature), p, rest_mass);
+  RankedIds ranked = rank(std::move(survivors), p.temperature);
+  if (kept_below.mass > 0.0) {
+    // Top-p's prefix holds every id here and those below down to kept_below.at_least (the device checked
+    // that against the row's total, CandidateRequest::decides_kept_below): the ids here, then the kept
+    // ones below as truncate_wide lists them (id order), unlisted.
+    if (p.top_k > 0 || p.top_p >= 1.0 || p.min_p > 0.0)
+      fail(ErrorKind::kInternal, "truncate_candidates: ids kept below the candidates without top-p alone");
+    TokenDistribution d;
+    const double total = ranked.mass + kept_below.mass;
+    d.ids.reserve(ranked.pairs.size());
+    d.probs.reserve(ranked.pairs.size());
+    for (size_t i = 0; i < ranked.pairs.size(); ++i) {
+      d.ids.push_back(ranked.pairs[i].first);
+      d.probs.push_back(static_cast<float>(ranked.weight[i] / total));
+    }
+    d.unlisted = kept_below.mass / total;
+    d.scale = {.inv_temperature = 1.0 / p.temperature,
+               .max_scaled = ranked.max_scaled,
+               .total = total,
+               .below = ranked.pairs.back().second,
+               .at_least = kept_below.at_least};
+    return d;
+  }
+  std::optional<TokenDistribution> d = truncate_ranked(ranked, p, rest_mass);
   if (!d)
     fail(ErrorKind::kInternal, "sampling candidates do not decide the truncation (rest mass {})", rest_mass);
   return *std::move(d);
@@ -383,6 +406,7 @@ BelowDraw below_draw(const TokenDistribution& d, double u) {
   double listed = 0.0;
   for (float p : d.probs) listed += p;
   return {.below = d.scale.below,
+          .at_least = d.scale.at_least,
           .inv_temperature = d.scale.inv_temperature,
           .max_scaled = d.scale.max_scaled,
           .weight = std::max(0.0, u - listed) * d.scale.total};

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <random>
 #include <span>
@@ -35,19 +36,20 @@ void validate(const SamplerParams& params);
 //   alone, or a top-p prefix reaching below them) sorts only its top ids (at least 1024); the others kept
 //   follow in id order (sorting them took 30 ms per row at Qwen's vocabulary). Any order is as exact:
 //   draw() walks the list.
-// - truncate_candidates() of a device's top ids of a row sampled whole lists only those, with their share of
-// the whole row, and
-//   `unlisted` is the share of the ids below them (the row's truncate() lists those after these).
+// - truncate_candidates() of a device's top ids of a row sampled whole, or of one whose top-p prefix ends
+//   below them, lists only those, with their share of what the row keeps, and `unlisted` is the share of
+//   the ids kept below them (the row's truncate() lists those after these).
 struct TokenDistribution {
   std::vector<int32_t> ids;
   std::vector<float> probs;
   double unlisted = 0.0;
   // With unlisted > 0, how the row weighs each of its ids, listed or not: exp(logit * inv_temperature -
   // max_scaled) / total, the probability truncate() of the whole row gives it (up to the order of the sum
-  // in `total`); the unlisted ids are those whose logit is < below (the lowest listed).
+  // in `total`); the unlisted ids are those whose logit is < below (the lowest listed) and >= at_least
+  // (the others: 0).
   struct RowScale {
     double inv_temperature = 0.0, max_scaled = 0.0, total = 0.0;
-    float below = 0.0f;
+    float below = 0.0f, at_least = -std::numeric_limits<float>::infinity();
   } scale;
 
   float prob(int32_t id) const;  // 0 for an id not listed
@@ -69,9 +71,12 @@ TokenDistribution truncate(std::span<const float> logits, const SamplerParams& p
 //   exp((logit - max) / T) over the ids below it (max: the row's largest logit). It counts in top-p's
 //   total; top-p's prefix must end inside the ids or min-p must drop some of them (an mtpx::Error,
 //   kInternal, when neither does: the ids below would be needed), unless the row is sampled whole
-//   (temperature alone): then the result lists the ids and `unlisted` is the rest's share.
+//   (temperature alone) or `kept_below` says where top-p's prefix ends below the ids (its mass > 0;
+//   CandidateRequest::decides_kept_below()): then the result lists the ids and `unlisted` is the share of
+//   the ids kept below them.
 TokenDistribution truncate_candidates(std::span<const int32_t> ids, std::span<const float> logits,
-                                      const SamplerParams& params, double rest_mass = 0.0);
+                                      const SamplerParams& params, double rest_mass = 0.0,
+                                      KeptBelow kept_below = {});
 
 // What a device is asked to send back for sampling with `params` over ids < vocab_limit (none for greedy:
 // the passes' argmax serves it). rows_on_request: the caller can fetch a pass's logits afterwards

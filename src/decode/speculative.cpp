@@ -158,7 +158,8 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
                 draft_argmax = greedy ? std::min(draft_ids, vocab_limit) : 0;
   // Sampling: a device returns each row's candidates instead of the row where they decide its truncation
   // (the same truncation, truncate_candidates); the CPU returns the logits. A row sampled whole (temperature
-  // alone) comes back as its top ids and the rest's mass, listed in part: the trunk's rows stay on the device
+  // alone), or whose top-p prefix ends below its top ids, comes back as those and the mass kept below,
+  // listed in part: the trunk's rows stay on the device
   // until the next pass, each head row is kept there in its draft's slot (the next pass overwrites the
   // head's logits), and accept_drafts reaches below their top ids through `below`.
   const CandidateRequest target_request = candidate_request(options.sampler, vocab_limit, true),
@@ -168,14 +169,14 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     if (greedy) return one_hot(r.argmax[static_cast<size_t>(row)]);
     if (r.candidates.present())
       return truncate_candidates(r.candidates.row_ids(row), r.candidates.row_logits(row), options.sampler,
-                                 r.candidates.row_rest_mass(row));
+                                 r.candidates.row_rest_mass(row), r.candidates.row_kept_below(row));
     return distribution(&r.logits[static_cast<size_t>(row * V)]);
   };
   auto head_row = [&](const MtpResult& r) {
     if (greedy) return one_hot(r.argmax[0]);
     if (r.candidates.present())
       return truncate_candidates(r.candidates.row_ids(0), r.candidates.row_logits(0), options.sampler,
-                                 r.candidates.row_rest_mass(0));
+                                 r.candidates.row_rest_mass(0), r.candidates.row_kept_below(0));
     return draft_distribution(r.logits.data());
   };
   // Emits one token; false once generation is over (stop token or max_tokens).

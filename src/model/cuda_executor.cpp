@@ -190,6 +190,7 @@ class CudaExecutor final : public DeviceExecutor {
     candidate_values_ = Buffer(slots * sizeof(float));
     candidate_counts_ = Buffer(n * sizeof(int32_t));
     candidate_masses_ = Buffer(2 * n * sizeof(double));
+    candidate_bands_ = Buffer(n * sizeof(cuda::TopPBand));
     candidate_scratch_ = Buffer(static_cast<size_t>(cuda::topk_scratch_bytes(rows)));
   }
 
@@ -228,6 +229,7 @@ class CudaExecutor final : public DeviceExecutor {
   mutable Buffer argmax_;                                               // int32 per logit row (greedy passes)
   mutable Buffer candidate_ids_, candidate_values_, candidate_counts_;  // [rows, kCandidateCap], [rows]
   mutable Buffer candidate_masses_;     // [rows, 2]: the candidates' and the rest's
+  mutable Buffer candidate_bands_;      // [rows]: where top-p ends below the candidates (cuda::topp_band)
   mutable Buffer candidate_scratch_;    // the select's state per row
   mutable Buffer draw_scratch_;         // draw_below's sums, then its result (made on first use)
   mutable cuda::PinnedBuffer staging_;  // host side of the result copies (grown on demand: staging())
@@ -556,16 +558,19 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
   const size_t slots = static_cast<size_t>(n_rows * kCandidateCap);
   const size_t counts_bytes = static_cast<size_t>(n_rows) * sizeof(int32_t);
   const size_t masses_bytes = with_masses ? static_cast<size_t>(2 * n_rows) * sizeof(double) : 0;
-  const size_t out_bytes = ids_only ? argmax.size() * sizeof(int32_t)
-                           : survivors
-                               ? masses_bytes + counts_bytes + slots * (sizeof(int32_t) + sizeof(float))
-                               : logits.size() * sizeof(float);
+  // With the masses, room for where top-p ends below the candidates, copied only when asked (topp_band).
+  const size_t bands_bytes = with_masses ? static_cast<size_t>(n_rows) * sizeof(cuda::TopPBand) : 0;
+  const size_t out_bytes =
+      ids_only    ? argmax.size() * sizeof(int32_t)
+      : survivors ? masses_bytes + counts_bytes + slots * (sizeof(int32_t) + sizeof(float)) + bands_bytes
+                  : logits.size() * sizeof(float);
   auto* host = static_cast<char*>(staging(hidden_bytes + out_bytes));
   stream_.to_host(host, scratch_.hidden.data(), hidden_bytes);
   char* out = host + hidden_bytes;  // survivors: the masses (8-byte aligned), counts, ids, values
   char* counts_at = out + masses_bytes;
   char* ids_at = counts_at + counts_bytes;
   char* values_at = ids_at + slots * sizeof(int32_t);
+  char* bands_at = values_at + slots * sizeof(float);
   if (n_rows > 0) {
     if (survivors) {
       if (with_masses) stream_.to_host(out, candidate_masses_.data(), masses_bytes);
@@ -594,6 +599,7 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
   const auto* ids = reinterpret_cast<const int32_t*>(ids_at);
   const auto* values = reinterpret_cast<const float*>(values_at);
   bool whole_rows = false;  // more tied candidates than a row holds, or candidates that do not decide a row
+  std::vector<char> undecided(static_cast<size_t>(n_rows), 0);  // rows whose top-p prefix ends below
   for (int64_t r = 0; r < n_rows && !whole_rows; ++r) {
     const int32_t c = counts[static_cast<size_t>(r)];
     whole_rows = c > kCandidateCap;
@@ -604,8 +610,38 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
     // As the sampler weighs them (decode/sampler.cpp), the highest weighing 1.
     const double lowest_weight =
         std::exp(static_cast<double>(*lowest) * inv_t - static_cast<double>(*highest) * inv_t);
-    whole_rows = !sample.decided_by(masses[static_cast<size_t>(2 * r)],
-                                    masses[static_cast<size_t>(2 * r + 1)], lowest_weight);
+    undecided[static_cast<size_t>(r)] = !sample.decided_by(
+        masses[static_cast<size_t>(2 * r)], masses[static_cast<size_t>(2 * r + 1)], lowest_weight);
+  }
+  const bool any_undecided = std::any_of(undecided.begin(), undecided.end(), [](char u) { return u != 0; });
+  // Top-p alone whose prefix ends below the candidates: where it ends, found on the device (a few passes
+  // over the rows still there) instead of copying the rows (1 MB each at Qwen's vocabulary) and sorting on
+  // the host (6 ms per flat row).
+  std::vector<cuda::TopPBand> bands;
+  if (!whole_rows && any_undecided) {
+    // Only where the caller can draw below the candidates on the device (rows_on_request).
+    whole_rows =
+        !sample.rows_on_request || sample.top_k_active() || sample.top_p >= 1.0 || sample.min_p > 0.0;
+    if (!whole_rows) {
+      bands.resize(static_cast<size_t>(n_rows));
+      cuda::topp_band(logits_.as<float>(), n_rows, V, served_request.limit, served_request.inv_temperature,
+                      sample.top_p, candidate_bands_.as<cuda::TopPBand>(), candidate_scratch_.data(),
+                      stream_.handle());
+      stream_.to_host(bands_at, candidate_bands_.data(), bands_bytes);
+      stream_.synchronize();
+      std::memcpy(bands.data(), bands_at, bands_bytes);
+      for (int64_t r = 0; r < n_rows && !whole_rows; ++r) {
+        if (!undecided[static_cast<size_t>(r)]) continue;
+        const cuda::TopPBand& b = bands[static_cast<size_t>(r)];
+        const double candidate_mass = masses[static_cast<size_t>(2 * r)];
+        const float* v = values + r * kCandidateCap;
+        const float lowest = *std::min_element(v, v + counts[static_cast<size_t>(r)]);
+        whole_rows =
+            !(b.boundary < lowest) ||
+            !sample.decides_kept_below(candidate_mass, b.above_mass, b.boundary_mass, b.boundary_count,
+                                       candidate_mass + masses[static_cast<size_t>(2 * r + 1)]);
+      }
+    }
   }
   if (whole_rows)
     return logits_to_host(logits_.as<float>(), n_rows * V,
@@ -618,6 +654,13 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
                              values + r * kCandidateCap + c);
     candidates.offsets.push_back(static_cast<int64_t>(candidates.ids.size()));
     if (with_masses) candidates.rest_mass.push_back(masses[static_cast<size_t>(2 * r + 1)]);
+    if (!bands.empty()) {
+      const cuda::TopPBand& b = bands[static_cast<size_t>(r)];
+      candidates.kept_below.push_back(
+          undecided[static_cast<size_t>(r)]
+              ? KeptBelow{.at_least = b.boundary, .mass = b.above_mass + b.boundary_mass}
+              : KeptBelow{});
+    }
   }
 }
 
@@ -708,8 +751,8 @@ int32_t CudaExecutor::draw_below(const DeviceSequence& sequence, DeviceLogitRow 
   const auto scratch_bytes = static_cast<size_t>(cuda::draw_below_scratch_bytes());
   if (draw_scratch_.bytes() == 0) draw_scratch_ = Buffer(scratch_bytes + sizeof(int32_t));
   auto* out = reinterpret_cast<int32_t*>(static_cast<char*>(draw_scratch_.data()) + scratch_bytes);
-  cuda::draw_below(from, draw.limit, draw.below, draw.inv_temperature, draw.max_scaled, draw.weight,
-                   draw_scratch_.data(), out, stream_.handle());
+  cuda::draw_below(from, draw.limit, draw.below, draw.at_least, draw.inv_temperature, draw.max_scaled,
+                   draw.weight, draw_scratch_.data(), out, stream_.handle());
   void* host = staging(sizeof(int32_t));
   stream_.to_host(host, out, sizeof(int32_t));
   stream_.synchronize();

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -26,8 +27,11 @@ struct ForwardResult;
 // - without it, with top-p or min-p: every id whose logit is >= a threshold the device picks, plus the
 //   row's rest mass: the sum of exp((logit - max) / temperature) over the ids < limit below it. The
 //   candidates decide the result when top-p's prefix ends inside them (their mass >= top_p * total) or
-//   min-p drops the weakest of them (every id below weighs no more); a row they do not decide comes back
-//   as logits (decided_by()).
+//   min-p drops the weakest of them (every id below weighs no more). Where top-p's prefix ends below them
+//   (min-p off, rows_on_request), the device also finds where (LogitCandidates::kept_below: the ids kept
+//   below the candidates are those down to a logit, with their mass; the sampler lists them in part and draws
+//   among them on the device). Any other row they do not decide comes back as logits (decided_by(),
+//   decides_kept_below()).
 // - with none of them (temperature alone, the row sampled whole) and rows_on_request: the same threshold
 //   candidates and rest mass, and the logits stay on the device until its next pass
 //   (DeviceExecutor::fetch_logits, keep_logits), for what reaches below the candidates. Without
@@ -53,6 +57,29 @@ struct CandidateRequest {
     const bool min_p_drops = min_p > 0.0 && lowest_weight < min_p * (1.0 - kMargin);
     return top_p_inside || min_p_drops;
   }
+  // Whether top-p keeps exactly the candidates and the ids below them whose logit is >= a boundary, when the
+  // candidates weigh candidate_mass, the ids below and above the boundary above_mass, the `count` ids at
+  // the boundary boundary_mass, and the row total: the prefix (ranked, ties by id; an id kept while the mass
+  // before it is < top_p x total) keeps every id at the boundary and none below. The same margin as
+  // decided_by() (a row within it comes back whole). min-p must be off (it would cut inside the kept ids
+  // below).
+  bool decides_kept_below(double candidate_mass, double above_mass, double boundary_mass, int64_t count,
+                          double total) const {
+    constexpr double kMargin = 1e-9;
+    if (top_k_active() || top_p >= 1.0 || min_p > 0.0 || count < 1) return false;
+    const double end = top_p * total,
+                 before_last = candidate_mass + above_mass +
+                               boundary_mass * static_cast<double>(count - 1) / static_cast<double>(count);
+    return before_last < end * (1.0 - kMargin) &&
+           candidate_mass + above_mass + boundary_mass >= end * (1.0 + kMargin);
+  }
+};
+
+// The ids a row keeps below its candidates where top-p's prefix ends there (CandidateRequest): those whose
+// logit is >= at_least, weighing `mass` in all (each exp((logit - max) / T)); mass 0: none.
+struct KeptBelow {
+  float at_least = 0.0f;
+  double mass = 0.0;
 };
 
 // Per row r, ids / logits [offsets[r], offsets[r + 1]) (any order), and for candidates below a threshold
@@ -63,7 +90,8 @@ struct LogitCandidates {
   std::vector<int64_t> offsets;
   std::vector<int32_t> ids;
   std::vector<float> logits;
-  std::vector<double> rest_mass;  // per row
+  std::vector<double> rest_mass;      // per row
+  std::vector<KeptBelow> kept_below;  // per row; empty where no row has any
   bool present() const { return !offsets.empty(); }
   int64_t rows() const { return present() ? static_cast<int64_t>(offsets.size()) - 1 : 0; }
   std::span<const int32_t> row_ids(int64_t r) const {
@@ -76,6 +104,9 @@ struct LogitCandidates {
   }
   double row_rest_mass(int64_t r) const {
     return rest_mass.empty() ? 0.0 : rest_mass[static_cast<size_t>(r)];
+  }
+  KeptBelow row_kept_below(int64_t r) const {
+    return kept_below.empty() ? KeptBelow{} : kept_below[static_cast<size_t>(r)];
   }
 };
 
@@ -97,11 +128,12 @@ struct DeviceLogitRow {
 inline constexpr int64_t kKeptLogitRows = 8;  // kMaxDraft (decode/generate.h)
 
 // A draw among the ids of a row below its listed top ids (DeviceExecutor::draw_below): the ids < limit whose
-// logit is < below, each weighing exp(logit * inv_temperature - max_scaled), in id order; the draw is the
-// first id at which the running sum of the weights exceeds `weight` (decode/sampler.h: below_draw()).
+// logit is < below and >= at_least, each weighing exp(logit * inv_temperature - max_scaled), in id order;
+// the draw is the first id at which the running sum of the weights exceeds `weight` (decode/sampler.h:
+// below_draw()).
 struct BelowDraw {
   int64_t limit = 0;
-  float below = 0.0f;
+  float below = 0.0f, at_least = -std::numeric_limits<float>::infinity();
   double inv_temperature = 0.0, max_scaled = 0.0, weight = 0.0;
 };
 

@@ -1934,6 +1934,12 @@ struct TopKRow {
   int count, non_finite;
   uint32_t max_key;             // the row's largest key
   double mass[kTopKBlocks][2];  // each block's sums of the candidates' and the rest's weights
+  // topp_band's select by mass: the weights in fixed point per digit, the digits chosen so far, and the
+  // mass (fixed point) of the prefix still to place at or below them; then each block's sums of the band.
+  unsigned long long mass_hist[256];
+  uint32_t p_prefix, p_mask;
+  unsigned long long p_remaining;
+  double band[kTopKBlocks][3];  // the weights above the boundary (below the candidates), at it, its count
 };
 
 __global__ void topk_init_kernel(TopKRow* rows, int64_t k) {
@@ -2054,34 +2060,139 @@ __global__ void topk_counts_kernel(const TopKRow* rows, int32_t* counts, double*
   }
 }
 
+// Where top-p's prefix ends below a row's candidates (topp_band): a radix select like the k-th largest's,
+// by mass instead of count. Each id's weight exp(logit / T - max / T) is added to its digit's bin as fixed
+// point (weight x 2^scale_bits, rounded): integer sums are exact in any order, so the bins and the key they
+// choose do not depend on the order of the atomics or on the other rows (batch-invariant). The host checks
+// the key against the double sums of topp_band_sums_kernel, so the rounding (at most 2^-scale_bits per id)
+// only ever sends a row back whole, never truncates it differently.
+__device__ __forceinline__ unsigned long long fixed_weight(float v, double inv_t, double max_scaled,
+                                                           double scale) {
+  return __double2ull_rn(exp(static_cast<double>(v) * inv_t - max_scaled) * scale);
+}
+
+__global__ void topp_init_kernel(TopKRow* rows) {
+  TopKRow& r = rows[blockIdx.x];
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) r.mass_hist[i] = 0;
+  if (threadIdx.x == 0) r.p_prefix = 0, r.p_mask = 0, r.p_remaining = 0;
+}
+
+__global__ void topp_histogram_kernel(const float* __restrict__ logits, int64_t vocab, int64_t limit,
+                                      int shift, double inv_t, double scale, TopKRow* rows) {
+  __shared__ unsigned long long hist[256];
+  TopKRow& r = rows[blockIdx.y];
+  const float* row = logits + blockIdx.y * vocab;
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+  const uint32_t p = r.p_prefix, m = r.p_mask;
+  const double max_scaled = static_cast<double>(key_value(r.max_key)) * inv_t;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += stride) {
+    const float v = row[i];
+    const uint32_t key = order_key(v);
+    if ((key & m) == p) atomicAdd(&hist[(key >> shift) & 255u], fixed_weight(v, inv_t, max_scaled, scale));
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 256; i += blockDim.x)
+    if (hist[i] != 0) atomicAdd(&r.mass_hist[i], hist[i]);
+}
+
+// Chooses the digit of the key at which the mass from the top reaches top_p of the row's (the first pass
+// sets that target from its bins' total), and clears the bins.
+__global__ void topp_digit_kernel(int shift, double top_p, TopKRow* rows) {
+  TopKRow& r = rows[blockIdx.x];
+  if (threadIdx.x == 0) {
+    if (r.p_mask == 0) {
+      unsigned long long total = 0;
+      for (int d = 0; d < 256; ++d) total += r.mass_hist[d];
+      r.p_remaining = max(1ull, __double2ull_rn(top_p * static_cast<double>(total)));
+    }
+    unsigned long long above = 0;
+    int d = 255;
+    for (; d > 0; --d) {
+      if (above + r.mass_hist[d] >= r.p_remaining) break;
+      above += r.mass_hist[d];
+    }
+    r.p_prefix |= static_cast<uint32_t>(d) << shift;
+    r.p_mask |= 255u << shift;
+    r.p_remaining = above >= r.p_remaining ? 1ull : r.p_remaining - above;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) r.mass_hist[i] = 0;
+}
+
+// In double, in an order fixed by the row's length (as topk_mass_kernel): the weights of the ids between
+// the boundary key and the candidates' (exclusive), of those at the boundary, and their count.
+__global__ void topp_band_sums_kernel(const float* __restrict__ logits, int64_t vocab, int64_t limit,
+                                      double inv_t, TopKRow* rows) {
+  __shared__ double scratch[32];
+  TopKRow& r = rows[blockIdx.y];
+  const float* row = logits + blockIdx.y * vocab;
+  const uint32_t candidates_key = r.prefix, boundary = r.p_prefix;
+  const double max_scaled = static_cast<double>(key_value(r.max_key)) * inv_t;
+  double above = 0.0, at = 0.0, count = 0.0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < limit; i += stride) {
+    const float v = row[i];
+    const uint32_t key = order_key(v);
+    if (key < boundary || key >= candidates_key) continue;
+    const double w = exp(static_cast<double>(v) * inv_t - max_scaled);
+    if (key == boundary)
+      at += w, count += 1.0;
+    else
+      above += w;
+  }
+  above = block_sum(above, scratch);
+  at = block_sum(at, scratch);
+  count = block_sum(count, scratch);
+  if (threadIdx.x == 0)
+    r.band[blockIdx.x][0] = above, r.band[blockIdx.x][1] = at, r.band[blockIdx.x][2] = count;
+}
+
+__global__ void topp_result_kernel(const TopKRow* rows, TopPBand* out) {
+  const TopKRow& r = rows[blockIdx.x];
+  if (threadIdx.x != 0) return;
+  double sums[3] = {0.0, 0.0, 0.0};
+  for (int b = 0; b < kTopKBlocks; ++b)
+    for (int j = 0; j < 3; ++j) sums[j] += r.band[b][j];
+  out[blockIdx.x] = {.above_mass = sums[0],
+                     .boundary_mass = sums[1],
+                     .boundary_count = static_cast<int32_t>(sums[2]),
+                     .boundary = key_value(r.p_prefix)};
+}
+
 // A draw below a row's top ids (draw_below): kDrawBlocks blocks each sum the weights of one contiguous
 // range of ids, then one block finds the range, the thread's stretch of it and the id where the running
 // sum passes the target, each step in id order.
 constexpr int kDrawBlocks = 64;
 constexpr int kDrawThreads = 256;
 
-__device__ __forceinline__ double weight_below(const float* row, int64_t i, float below, double inv_t,
-                                               double max_scaled) {
+__device__ __forceinline__ bool in_band(float v, float below, float at_least) {
+  return v < below && v >= at_least;
+}
+__device__ __forceinline__ double weight_below(const float* row, int64_t i, float below, float at_least,
+                                               double inv_t, double max_scaled) {
   const float v = row[i];
-  return v < below ? exp(static_cast<double>(v) * inv_t - max_scaled) : 0.0;
+  return in_band(v, below, at_least) ? exp(static_cast<double>(v) * inv_t - max_scaled) : 0.0;
 }
 
 __global__ void __launch_bounds__(kDrawThreads)
-    draw_below_sums_kernel(const float* __restrict__ row, int64_t limit, float below, double inv_t,
-                           double max_scaled, double* sums) {
+    draw_below_sums_kernel(const float* __restrict__ row, int64_t limit, float below, float at_least,
+                           double inv_t, double max_scaled, double* sums) {
   __shared__ double scratch[32];
   const int64_t range = (limit + kDrawBlocks - 1) / kDrawBlocks, begin = blockIdx.x * range,
                 end = min(limit, begin + range);
   double sum = 0.0;
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x)
-    sum += weight_below(row, i, below, inv_t, max_scaled);
+    sum += weight_below(row, i, below, at_least, inv_t, max_scaled);
   sum = block_sum(sum, scratch);
   if (threadIdx.x == 0) sums[blockIdx.x] = sum;
 }
 
 __global__ void __launch_bounds__(kDrawThreads)
-    draw_below_find_kernel(const float* __restrict__ row, int64_t limit, float below, double inv_t,
-                           double max_scaled, double target, const double* __restrict__ sums, int32_t* out) {
+    draw_below_find_kernel(const float* __restrict__ row, int64_t limit, float below, float at_least,
+                           double inv_t, double max_scaled, double target, const double* __restrict__ sums,
+                           int32_t* out) {
   __shared__ double stretch_sums[kDrawThreads];
   __shared__ int64_t chosen_range;
   __shared__ double target_in_range;
@@ -2110,9 +2221,9 @@ __global__ void __launch_bounds__(kDrawThreads)
   double sum = 0.0;
   int last = -1;
   for (int64_t i = from; i < to; ++i) {
-    const double w = weight_below(row, i, below, inv_t, max_scaled);
+    const double w = weight_below(row, i, below, at_least, inv_t, max_scaled);
     sum += w;
-    if (row[i] < below) last = static_cast<int>(i);
+    if (in_band(row[i], below, at_least)) last = static_cast<int>(i);
   }
   stretch_sums[threadIdx.x] = sum;
   last_id[threadIdx.x] = last;
@@ -2124,8 +2235,8 @@ __global__ void __launch_bounds__(kDrawThreads)
   while (t < kDrawThreads - 1 && before + stretch_sums[t] <= target_in_range) before += stretch_sums[t++];
   const int64_t t_from = begin + t * stretch, t_to = min(end, t_from + stretch);
   for (int64_t i = t_from; i < t_to; ++i) {
-    if (!(row[i] < below)) continue;
-    before += weight_below(row, i, below, inv_t, max_scaled);
+    if (!in_band(row[i], below, at_least)) continue;
+    before += weight_below(row, i, below, at_least, inv_t, max_scaled);
     if (target_in_range < before) {
       *out = static_cast<int32_t>(i);
       return;
@@ -2614,16 +2725,36 @@ void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t l
   check_launch("topk_candidates");
 }
 
+void topp_band(const float* logits, int64_t rows, int64_t vocab, int64_t limit, double inv_temperature,
+               double top_p, TopPBand* out, void* scratch, void* stream) {
+  cudaStream_t s = as_stream(stream);
+  auto* state = static_cast<TopKRow*>(scratch);
+  const auto n = static_cast<unsigned>(rows);
+  // Fixed point with room for `limit` weights of at most 1 in 63 bits.
+  int bits = 0;
+  while ((int64_t{1} << bits) <= limit) ++bits;
+  const double scale = std::ldexp(1.0, 63 - bits);
+  topp_init_kernel<<<n, 256, 0, s>>>(state);
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    topp_histogram_kernel<<<dim3(kTopKBlocks, n), 256, 0, s>>>(logits, vocab, limit, shift, inv_temperature,
+                                                               scale, state);
+    topp_digit_kernel<<<n, 256, 0, s>>>(shift, top_p, state);
+  }
+  topp_band_sums_kernel<<<dim3(kTopKBlocks, n), 256, 0, s>>>(logits, vocab, limit, inv_temperature, state);
+  topp_result_kernel<<<n, 32, 0, s>>>(state, out);
+  check_launch("topp_band");
+}
+
 int64_t draw_below_scratch_bytes() { return kDrawBlocks * static_cast<int64_t>(sizeof(double)); }
 
-void draw_below(const float* row, int64_t limit, float below, double inv_temperature, double max_scaled,
-                double target, void* scratch, int32_t* out, void* stream) {
+void draw_below(const float* row, int64_t limit, float below, float at_least, double inv_temperature,
+                double max_scaled, double target, void* scratch, int32_t* out, void* stream) {
   cudaStream_t s = as_stream(stream);
   auto* sums = static_cast<double*>(scratch);
-  draw_below_sums_kernel<<<kDrawBlocks, kDrawThreads, 0, s>>>(row, limit, below, inv_temperature, max_scaled,
-                                                              sums);
-  draw_below_find_kernel<<<1, kDrawThreads, 0, s>>>(row, limit, below, inv_temperature, max_scaled, target,
-                                                    sums, out);
+  draw_below_sums_kernel<<<kDrawBlocks, kDrawThreads, 0, s>>>(row, limit, below, at_least, inv_temperature,
+                                                              max_scaled, sums);
+  draw_below_find_kernel<<<1, kDrawThreads, 0, s>>>(row, limit, below, at_least, inv_temperature, max_scaled,
+                                                    target, sums, out);
   check_launch("draw_below");
 }
 

@@ -160,15 +160,30 @@ void topk_candidates(const float* logits, int64_t rows, int64_t vocab, int64_t l
                      double inv_temperature, int32_t* ids, float* values, int32_t* counts, double* masses,
                      void* scratch, void* stream);
 
-// A draw among the ids of a row below its top (the ids < limit whose logit is < `below`), each weighing
-// exp(logit * inv_temperature - max_scaled) (as topk_candidates' rest mass): *out = the first such id, in id
-// order, at which the running sum of the weights exceeds `target` (the last such id when none does, by
-// rounding; -1 when there is none). The inverse CDF of the ids below the top, in id order, at a point the
-// caller picks: a draw that lands below a row's top ids (decode/sampler.h) without copying the row. The
-// sums run in double in an order fixed by `limit` alone. scratch: device memory of
-// draw_below_scratch_bytes().
+// Where top-p's prefix ends when it reaches below a row's candidates (CandidateRequest without top-k):
+// after topk_candidates on the same logits and scratch (its k-th largest key and row maximum), per row the
+// boundary: the lowest logit of the smallest prefix, ranked by logit, whose weights exp(logit / T - max / T)
+// reach top_p of the row's (a radix select by mass in fixed point), and in double, in an order fixed by the
+// row's length, the weights of the ids < limit above it and below the candidates, and of those at it, with
+// their count. The host checks these against top-p's rule with its own sums (the select's rounding can
+// pick a neighbouring logit; the host then takes the row whole).
+struct TopPBand {
+  double above_mass = 0.0, boundary_mass = 0.0;
+  int32_t boundary_count = 0;
+  float boundary = 0.0f;
+};
+void topp_band(const float* logits, int64_t rows, int64_t vocab, int64_t limit, double inv_temperature,
+               double top_p, TopPBand* out, void* scratch, void* stream);
+
+// A draw among the ids of a row below its top (the ids < limit whose logit is < `below` and >= at_least:
+// -inf for all of them, top-p's boundary for those it keeps), each weighing exp(logit * inv_temperature -
+// max_scaled) (as topk_candidates' rest mass): *out = the first such id, in id order, at which the running
+// sum of the weights exceeds `target` (the last such id when none does, by rounding; -1 when there is
+// none). The inverse CDF of the ids below the top, in id order, at a point the caller picks: a draw that
+// lands below a row's top ids (decode/sampler.h) without copying the row. The sums run in double in an
+// order fixed by `limit` alone. scratch: device memory of draw_below_scratch_bytes().
 int64_t draw_below_scratch_bytes();
-void draw_below(const float* row, int64_t limit, float below, double inv_temperature, double max_scaled,
-                double target, void* scratch, int32_t* out, void* stream);
+void draw_below(const float* row, int64_t limit, float below, float at_least, double inv_temperature,
+                double max_scaled, double target, void* scratch, int32_t* out, void* stream);
 
 }  // namespace mtpx::cuda
