@@ -795,17 +795,24 @@ void CudaExecutor::rollback(DeviceSequence& sequence, int64_t window_tokens, int
   auto& seq = static_cast<CudaSequence&>(sequence);
   const ModelConfig& c = config_;
   const int64_t conv = c.conv_dim();
-  // Replay the kept tokens' recurrence from the pre-window state (bit-identical to having run only them).
+  // Replay the kept tokens' recurrence from the pre-window state (bit-identical to having run only them),
+  // all layers in one launch, then their conv states in another.
+  std::vector<cuda::DeltaNetRollbackLayer> layers;
   for (int64_t li = 0; li < c.num_layers; ++li) {
     if (c.layer_types[static_cast<size_t>(li)] != LayerType::kLinearAttention) continue;
     DeviceDelta& d = seq.delta[static_cast<size_t>(li)];
-    cuda::delta_rule(d.x.as<float>(), d.g.as<float>(), d.beta.as<float>(), d.ssm_before.as<float>(),
-                     d.ssm.as<float>(), nullptr, scratch_.dn_o.as<float>(), keep, c.linear_num_key_heads,
-                     c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, conv,
-                     stream_.handle());
-    cuda::deltanet_conv_rollback(d.conv_before.as<float>(), d.qkv.as<float>(), keep, conv,
-                                 c.linear_conv_kernel_dim, d.conv.as<float>(), stream_.handle());
+    layers.push_back({.x = d.x.as<float>(),
+                      .g = d.g.as<float>(),
+                      .beta = d.beta.as<float>(),
+                      .ssm_before = d.ssm_before.as<float>(),
+                      .conv_before = d.conv_before.as<float>(),
+                      .qkv = d.qkv.as<float>(),
+                      .ssm = d.ssm.as<float>(),
+                      .conv = d.conv.as<float>()});
   }
+  cuda::deltanet_rollback(layers.data(), static_cast<int64_t>(layers.size()), keep, c.linear_num_key_heads,
+                          c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, conv,
+                          c.linear_conv_kernel_dim, stream_.handle());
   stream_.synchronize();
 }
 

@@ -1336,11 +1336,10 @@ __global__ void conv_rows_kernel(const float* __restrict__ qkv, const float* __r
     x[t * channels + ch] = conv_output(w + ch * kc, kc, row, t);
 }
 
-__global__ void conv_rollback_kernel(const float* __restrict__ conv_before, const float* __restrict__ qkv,
-                                     int64_t keep, int64_t channels, int64_t kc,
-                                     float* __restrict__ conv_state) {
-  griddep_wait();
-  griddep_launch_dependents();  // a row kernel after this one may start its prefetch
+__device__ __forceinline__ void conv_rollback_channel(const float* __restrict__ conv_before,
+                                                      const float* __restrict__ qkv, int64_t keep,
+                                                      int64_t channels, int64_t kc,
+                                                      float* __restrict__ conv_state) {
   const int64_t ch = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (ch >= channels) return;
   for (int64_t r = 0; r < kc - 1; ++r) {
@@ -1457,11 +1456,14 @@ constexpr int kDeltaChunk = 16;
 constexpr int kDeltaParts = 4;
 constexpr int kDeltaColumns = 32 / kDeltaParts;  // columns per block of one warp
 
+// The block (value head blockIdx.x, kDeltaColumns state columns from blockIdx.y) of delta_rule_kernel;
+// o == nullptr: the state only (a rollback's replay).
 template <int DK>
-__global__ void delta_rule_kernel(const float* __restrict__ x, const float* __restrict__ g,
-                                  const float* __restrict__ beta, const float* s_in, float* s_out,
-                                  float* __restrict__ s_before, float* __restrict__ o, int64_t t_count,
-                                  int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim, bool preload) {
+__device__ __forceinline__ void delta_rule_block(const float* __restrict__ x, const float* __restrict__ g,
+                                                 const float* __restrict__ beta, const float* s_in,
+                                                 float* s_out, float* __restrict__ s_before,
+                                                 float* __restrict__ o, int64_t t_count, int64_t hk,
+                                                 int64_t hv, int64_t dv, int64_t conv_dim, bool preload) {
   constexpr int kPart = DK / kDeltaParts;
   static_assert(kPart % 4 == 0, "whole float4 per lane");
   __shared__ __align__(16) float qs[kDeltaChunk][DK];
@@ -1566,13 +1568,41 @@ __global__ void delta_rule_kernel(const float* __restrict__ x, const float* __re
         out[3] = fmaf(q.w, S[i + 3], out[3]);
       }
       const float out_all = column_sum((out[0] + out[1]) + (out[2] + out[3]));
-      if (active && part == 0) o[((c0 + t) * hv + h) * dv + j] = out_all;
+      if (active && part == 0 && o != nullptr) o[((c0 + t) * hv + h) * dv + j] = out_all;
     }
   }
   if (active) {
 #pragma unroll
     for (int i = 0; i < kPart; ++i) s_out[base + i * dv + j] = S[i];
   }
+}
+
+template <int DK>
+__global__ void delta_rule_kernel(const float* __restrict__ x, const float* __restrict__ g,
+                                  const float* __restrict__ beta, const float* s_in, float* s_out,
+                                  float* __restrict__ s_before, float* __restrict__ o, int64_t t_count,
+                                  int64_t hk, int64_t hv, int64_t dv, int64_t conv_dim, bool preload) {
+  delta_rule_block<DK>(x, g, beta, s_in, s_out, s_before, o, t_count, hk, hv, dv, conv_dim, preload);
+}
+
+// A rollback's replay in every DeltaNet layer of a chunk at once: layer blockIdx.z, each block as
+// delta_rule_kernel's (the same operations: the state is bit for bit the one-layer launch's).
+constexpr int kRollbackLayersPerLaunch = 48;
+struct RollbackLayers {
+  DeltaNetRollbackLayer layer[kRollbackLayersPerLaunch];
+};
+
+template <int DK>
+__global__ void delta_replay_kernel(const RollbackLayers layers, int64_t t_count, int64_t hk, int64_t hv,
+                                    int64_t dv, int64_t conv_dim) {
+  const DeltaNetRollbackLayer& l = layers.layer[blockIdx.z];
+  delta_rule_block<DK>(l.x, l.g, l.beta, l.ssm_before, l.ssm, nullptr, nullptr, t_count, hk, hv, dv, conv_dim,
+                       false);
+}
+
+__global__ void conv_replay_kernel(const RollbackLayers layers, int64_t keep, int64_t channels, int64_t kc) {
+  const DeltaNetRollbackLayer& l = layers.layer[blockIdx.y];
+  conv_rollback_channel(l.conv_before, l.qkv, keep, channels, kc, l.conv);
 }
 
 // Prompt prefill: the chunked form of the delta rule (spec §4.3, as gated_deltanet.cpp's
@@ -2583,13 +2613,6 @@ void deltanet_conv(const float* qkv, float* conv_state, const float* conv_weight
   check_launch("deltanet_conv");
 }
 
-void deltanet_conv_rollback(const float* conv_before, const float* qkv, int64_t keep, int64_t channels,
-                            int64_t kc, float* conv_state, void* stream) {
-  conv_rollback_kernel<<<blocks_for(channels, 256), 256, 0, as_stream(stream)>>>(conv_before, qkv, keep,
-                                                                                 channels, kc, conv_state);
-  check_launch("deltanet_conv_rollback");
-}
-
 void deltanet_prepare(float* x, const float* b, const float* a, const float* a_log, const float* dt_bias,
                       int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t conv_dim, float* beta,
                       float* g, void* stream) {
@@ -2642,6 +2665,34 @@ void delta_rule(const float* x, const float* g, const float* beta, const float* 
            "--device cuda: linear_key_head_dim {} is not supported (16, 32, 64, 128)", dk);
   }
   check_launch("delta_rule");
+}
+
+void deltanet_rollback(const DeltaNetRollbackLayer* layers, int64_t count, int64_t keep, int64_t hk,
+                       int64_t hv, int64_t dk, int64_t dv, int64_t conv_dim, int64_t kc, void* stream) {
+  const cudaStream_t s = as_stream(stream);
+  for (int64_t first = 0; first < count; first += kRollbackLayersPerLaunch) {
+    const int64_t n = std::min<int64_t>(count - first, kRollbackLayersPerLaunch);
+    RollbackLayers chunk{};
+    std::copy_n(layers + first, n, chunk.layer);
+    const auto z = static_cast<unsigned>(n);
+    const dim3 grid(static_cast<unsigned>(hv), blocks_for(dv, kDeltaColumns), z);
+    switch (dk) {
+#define MTPX_REPLAY_CASE(DK)                                                        \
+  case DK:                                                                          \
+    delta_replay_kernel<DK><<<grid, 32, 0, s>>>(chunk, keep, hk, hv, dv, conv_dim); \
+    break;
+      MTPX_REPLAY_CASE(16)
+      MTPX_REPLAY_CASE(32)
+      MTPX_REPLAY_CASE(64)
+      MTPX_REPLAY_CASE(128)
+#undef MTPX_REPLAY_CASE
+      default:
+        fail(ErrorKind::kUnsupported,
+             "--device cuda: linear_key_head_dim {} is not supported (16, 32, 64, 128)", dk);
+    }
+    conv_replay_kernel<<<dim3(blocks_for(conv_dim, 256), z), 256, 0, s>>>(chunk, keep, conv_dim, kc);
+  }
+  check_launch("deltanet_rollback");
 }
 
 int64_t delta_rule_chunked_scratch_bytes(int64_t t_count, int64_t hv) {

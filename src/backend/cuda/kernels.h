@@ -108,10 +108,6 @@ void attention(const float* qg, const float* key_cache, const float* value_cache
 void deltanet_conv(const float* qkv, float* conv_state, const float* conv_weight, int64_t t_count,
                    int64_t channels, int64_t kc, float* x, float* conv_before, void* stream);
 
-// Rebuilds a conv state as the last kc-1 rows of [conv_before; qkv rows 0..keep-1].
-void deltanet_conv_rollback(const float* conv_before, const float* qkv, int64_t keep, int64_t channels,
-                            int64_t kc, float* conv_state, void* stream);
-
 // l2-normalizes q and k per key head (q also scaled by Dk^-1/2) inside x [T, conv_dim], and
 // beta = sigmoid(b), g = -exp(a_log) * softplus(a + dt_bias)  ([T, Hv]).
 void deltanet_prepare(float* x, const float* b, const float* a, const float* a_log, const float* dt_bias,
@@ -130,6 +126,19 @@ void deltanet_conv_prepare(const float* qkv, float* conv_state, const float* con
 void delta_rule(const float* x, const float* g, const float* beta, const float* s_in, float* s_out,
                 float* s_before, float* o, int64_t t_count, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
                 int64_t conv_dim, void* stream);
+
+// A recorded window's rollback in every DeltaNet layer in two launches (two per layer cost ~2 launches'
+// latency each, 0.27 ms per rollback on a 9B): per layer the delta rule replayed over the window's first
+// `keep` tokens from the state before it (delta_rule(x, g, beta, ssm_before, ssm): the same blocks, the
+// state bit for bit, no output), then the conv state rebuilt as the last kc-1 rows of [conv_before; qkv rows
+// 0..keep-1].
+struct DeltaNetRollbackLayer {
+  const float *x = nullptr, *g = nullptr, *beta = nullptr, *ssm_before = nullptr, *conv_before = nullptr,
+              *qkv = nullptr;
+  float *ssm = nullptr, *conv = nullptr;
+};
+void deltanet_rollback(const DeltaNetRollbackLayer* layers, int64_t count, int64_t keep, int64_t hk,
+                       int64_t hv, int64_t dk, int64_t dv, int64_t conv_dim, int64_t kc, void* stream);
 
 // Prompt prefill: the same rule in its chunked form (§4.3, chunks of 64 tokens), state [Hv, Dk, Dv] updated
 // in place. Equal to delta_rule up to the order of the sums (not bitwise: prefill only). scratch: device
