@@ -229,12 +229,7 @@ TEST(Sampler, TopPEndingBelowADevicesTopIdsIsTheRowsTruncation) {
     std::vector<float> logits(static_cast<size_t>(n));
     const bool grid = trial % 3 == 2;  // ties: a few hundred ids share each logit
     for (float& l : logits) l = grid ? std::round(normal(rng) * 16) / 16 : normal(rng);
-    std::vector<int32_t> ranked(static_cast<size_t>(n));
-    std::iota(ranked.begin(), ranked.end(), 0);
-    std::sort(ranked.begin(), ranked.end(), [&](int32_t a, int32_t b) {
-      const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
-      return la > lb || (la == lb && a < b);
-    });
+    const std::vector<int32_t> ranked = testing_util::ranked_by_logit(logits, n);
     const float threshold = logits[static_cast<size_t>(ranked[767])];
     const auto [ids, values] = candidates_at_or_above(logits, n, threshold, rng);
     for (const double t : {0.8, 1.0, 1.5}) {
@@ -379,12 +374,7 @@ TEST(Sampler, TopKBlockSkippingKeepsExactlyTheTopK) {
 // renormalized.
 std::pair<std::vector<int32_t>, std::vector<double>> brute_force(const std::vector<float>& logits, int64_t n,
                                                                  const SamplerParams& p) {
-  std::vector<int32_t> order(static_cast<size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-    const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
-    return la > lb || (la == lb && a < b);
-  });
+  std::vector<int32_t> order = testing_util::ranked_by_logit(logits, n);
   std::vector<double> w;
   double total = 0;
   for (int32_t id : order)

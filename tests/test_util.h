@@ -48,6 +48,17 @@ inline int32_t draw_below_reference(const std::vector<float>& row, const BelowDr
   return last;
 }
 
+// Ids 0 .. limit - 1 by logit, highest first, ties by id (the order every truncation ranks a row in).
+inline std::vector<int32_t> ranked_by_logit(std::span<const float> row, int64_t limit) {
+  std::vector<int32_t> ranked(static_cast<size_t>(limit));
+  std::iota(ranked.begin(), ranked.end(), 0);
+  std::sort(ranked.begin(), ranked.end(), [&](int32_t a, int32_t b) {
+    const float la = row[static_cast<size_t>(a)], lb = row[static_cast<size_t>(b)];
+    return la > lb || (la == lb && a < b);
+  });
+  return ranked;
+}
+
 // Where top-p's prefix ends in a row, from its rule (ranked by logit, ties by id; an id is kept while the
 // mass before it is < top_p of the total): the last kept logit, and the weights exp((logit - max) / T)
 // of the ids < limit below `below` and above it, of those at it, their count, and the row's total.
@@ -57,12 +68,7 @@ struct TopPEnd {
   int64_t count = 0;
 };
 inline TopPEnd top_p_end(std::span<const float> row, int64_t limit, double t, double top_p, float below) {
-  std::vector<int32_t> ranked(static_cast<size_t>(limit));
-  std::iota(ranked.begin(), ranked.end(), 0);
-  std::sort(ranked.begin(), ranked.end(), [&](int32_t a, int32_t b) {
-    const float la = row[static_cast<size_t>(a)], lb = row[static_cast<size_t>(b)];
-    return la > lb || (la == lb && a < b);
-  });
+  const std::vector<int32_t> ranked = ranked_by_logit(row, limit);
   const double max_logit = row[static_cast<size_t>(ranked[0])];
   auto weight = [&](int32_t id) {
     return std::exp((static_cast<double>(row[static_cast<size_t>(id)]) - max_logit) / t);
