@@ -620,8 +620,7 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
   std::vector<cuda::TopPBand> bands;
   if (!whole_rows && any_undecided) {
     // Only where the caller can draw below the candidates on the device (rows_on_request).
-    whole_rows =
-        !sample.rows_on_request || sample.top_k_active() || sample.top_p >= 1.0 || sample.min_p > 0.0;
+    whole_rows = !sample.rows_on_request || !sample.top_p_alone();
     if (!whole_rows) {
       bands.resize(static_cast<size_t>(n_rows));
       cuda::topp_band(logits_.as<float>(), n_rows, V, served_request.limit, served_request.inv_temperature,

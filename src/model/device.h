@@ -45,6 +45,9 @@ struct CandidateRequest {
   bool top_k_active() const { return top_k > 0 && top_k < limit; }
   bool whole_row() const { return !top_k_active() && top_p >= 1.0 && min_p <= 0.0; }
   bool active() const { return limit > 0 && (!whole_row() || rows_on_request); }
+  // Top-p with neither top-k nor min-p: the only truncation whose ids kept below the candidates a device
+  // can describe by one boundary logit (decides_kept_below()).
+  bool top_p_alone() const { return !top_k_active() && top_p < 1.0 && min_p <= 0.0; }
   // Whether candidates with this mass (and the lowest of them weighing lowest_weight, the highest 1: the
   // weights exp((logit - max) / temperature)) decide top-p or min-p without the ids below them. A margin
   // of 1e-9 covers the different order of the sums here and in the sampler's truncation.
@@ -66,7 +69,7 @@ struct CandidateRequest {
   bool decides_kept_below(double candidate_mass, double above_mass, double boundary_mass, int64_t count,
                           double total) const {
     constexpr double kMargin = 1e-9;
-    if (top_k_active() || top_p >= 1.0 || min_p > 0.0 || count < 1) return false;
+    if (!top_p_alone() || count < 1) return false;
     const double end = top_p * total,
                  before_last = candidate_mass + above_mass +
                                boundary_mass * static_cast<double>(count - 1) / static_cast<double>(count);
