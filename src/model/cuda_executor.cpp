@@ -600,12 +600,14 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
   const auto* values = reinterpret_cast<const float*>(values_at);
   bool whole_rows = false;  // more tied candidates than a row holds, or candidates that do not decide a row
   std::vector<char> undecided(static_cast<size_t>(n_rows), 0);  // rows whose top-p prefix ends below
+  std::vector<float> lowest_candidate(static_cast<size_t>(n_rows));
   for (int64_t r = 0; r < n_rows && !whole_rows; ++r) {
     const int32_t c = counts[static_cast<size_t>(r)];
     whole_rows = c > kCandidateCap;
     if (whole_rows || !with_masses) continue;
     const float* v = values + r * kCandidateCap;
     const auto [lowest, highest] = std::minmax_element(v, v + c);
+    lowest_candidate[static_cast<size_t>(r)] = *lowest;
     const double inv_t = served_request.inv_temperature;
     // As the sampler weighs them (decode/sampler.cpp), the highest weighing 1.
     const double lowest_weight =
@@ -633,10 +635,8 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
         if (!undecided[static_cast<size_t>(r)]) continue;
         const cuda::TopPBand& b = bands[static_cast<size_t>(r)];
         const double candidate_mass = masses[static_cast<size_t>(2 * r)];
-        const float* v = values + r * kCandidateCap;
-        const float lowest = *std::min_element(v, v + counts[static_cast<size_t>(r)]);
         whole_rows =
-            !(b.boundary < lowest) ||
+            !(b.boundary < lowest_candidate[static_cast<size_t>(r)]) ||
             !sample.decides_kept_below(candidate_mass, b.above_mass, b.boundary_mass, b.boundary_count,
                                        candidate_mass + masses[static_cast<size_t>(2 * r + 1)]);
       }
