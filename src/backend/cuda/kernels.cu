@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 // and loads the next, so each SM's loads come in bursts with idle memory between them, and a block only
 // starts loading when it is scheduled (ncu, session 17: the 9B SwiGLU product at 76% of copy bandwidth, the
 // residual ones at 65%). Here the blocks are persistent (one per multiprocessor, stepping over the tasks),
-// each warp keeps `stages` stages of kStageBlocks k-blocks in flight across task boundaries, and the first
+// each warp keeps `stages` stages of SB k-blocks in flight across task boundaries, and the first
 // are requested before griddep_wait (weights are never written by an earlier kernel), so the stream does not
 // stop at the kernel boundary either. The activations of a stage follow it once the wait has passed.
 // Each k-block of a stage: kTiles tiles of 16 rows x 128 bytes, the 16-byte piece p of row r at position
@@ -384,8 +384,16 @@ constexpr int kMaxStages = 8;  // cp_async_wait_pending's cases
 // per multiprocessor: 191.7 / 938.7. One k-block per stage: 171.0 / 847.8 (the loop's bookkeeping per 2 KB
 // of weights); two blocks of 96 KiB per multiprocessor: 177.8 / 967.7 (one k-block per stage: 187.9 /
 // 922.6); 110 KiB each, one k-block per stage: 181.8 / 873.7.
-constexpr int kStageBlocks = 2;         // k-blocks per stage
-constexpr int kRingBytes = 192 * 1024;  // all the warps' stages of a block
+// 160 KiB since session 28 (H100, BENCHMARKS.md; medians, c(3) with the argmax on the device): 9B decode
+// 156.8 against 155.3 tok/s with 192 KiB, c(3) 1.033 against 1.071; 0.8B 870.5 against 851.2, c(3) 1.073
+// against 1.110. The 4-row window gains: its normed two-tile products (in_proj groups, SwiGLU) no longer
+// fit two stages of two k-blocks and take three of one (launch_bf16_stream), and the residual products
+// take 3 stages instead of 4 (the 16-warp ones, 3 of one k-block at 3-4 rows). One row keeps two k-blocks
+// per stage everywhere (the 8-warp residuals 4 stages instead of 5). 104-108 KiB (two blocks per
+// multiprocessor, so the next product loads under PDL beside this one) ran 7-14% slower; 216 KiB 4.5%
+// slower on the 9B (its one-row two-tile products took 5 stages of one k-block).
+constexpr int kStageBlocks = 2;         // k-blocks per stage, where two stages of them fit the ring
+constexpr int kRingBytes = 160 * 1024;  // all the warps' stages of a block
 
 template <int MODE, int RT>
 constexpr int stream_tiles() {
@@ -399,7 +407,7 @@ constexpr int stream_head_bytes(int tiles, int warps, bool norm) {  // partial s
   return warps * tiles * 4 * 32 * 4 + (norm ? warps * 8 * 4 : 0);
 }
 
-template <int MODE, int RT, int WARPS, bool NORM>
+template <int MODE, int RT, int WARPS, bool NORM, int SB>
 __global__ void __launch_bounds__(WARPS * 32, 1)
     bf16_stream_rows(const GemvGroup<__nv_bfloat16> g, const float* __restrict__ x, int m_count, int stages) {
   constexpr int kTiles = stream_tiles<MODE, RT>();
@@ -413,13 +421,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / 4, quad = lane % 4;
   const int cols = g.cols, k_blocks = cols / kTileK, task_count = g.tasks_before[g.count];
   const int block_bytes = stream_stage_bytes(kTiles, NORM, m_count);  // one k-block's weights, norm, x
-  const int stage_bytes = kStageBlocks * block_bytes;
+  const int stage_bytes = SB * block_bytes;
   unsigned char* const ring =
       shared + stream_head_bytes(kTiles, WARPS, NORM) + static_cast<size_t>(warp) * stages * stage_bytes;
   const int my_tasks =
       static_cast<int>(blockIdx.x) < task_count ? (task_count - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const int per_task = warp < k_blocks ? (k_blocks - 1 - warp) / WARPS + 1 : 0;  // the warp's k-blocks
-  const int task_stages = (per_task + kStageBlocks - 1) / kStageBlocks;
+  const int task_stages = (per_task + SB - 1) / SB;
   auto task_rows = [&](int i, int& j) {  // the matrix and first row of the block's task i
     const int t = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
     j = 0;
@@ -440,7 +448,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
   auto issue_weights = [&](const Cursor& p, unsigned char* stage) {  // and the norm's weights
     if (p.i >= my_tasks) return;
     const int rows = g.rows[p.j];
-    for (int b = 0, u = p.v * kStageBlocks; b < kStageBlocks && u < per_task; ++b, ++u) {
+    for (int b = 0, u = p.v * SB; b < SB && u < per_task; ++b, ++u) {
       const int k = (warp + u * WARPS) * kTileK;
       unsigned char* const block = stage + b * block_bytes;
 #pragma unroll
@@ -456,7 +464,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
   };
   auto issue_activations = [&](const Cursor& p, unsigned char* stage) {
     if (p.i >= my_tasks) return;
-    for (int b = 0, u = p.v * kStageBlocks; b < kStageBlocks && u < per_task; ++b, ++u) {
+    for (int b = 0, u = p.v * SB; b < SB && u < per_task; ++b, ++u) {
       const int k = (warp + u * WARPS) * kTileK;
       unsigned char* const xs = stage + b * block_bytes + kWeightBytes + kNormBytes;
       for (int idx = lane; idx < m_count * 16; idx += 32)
@@ -496,7 +504,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
       first = false;
       __syncwarp();
       unsigned char* const stage = ring + slot * stage_bytes;
-      for (int b = 0, u = v * kStageBlocks; b < kStageBlocks && u < per_task; ++b, ++u) {
+      for (int b = 0, u = v * SB; b < SB && u < per_task; ++b, ++u) {
         const unsigned char* const block = stage + b * block_bytes;
         float4 xv[4];
         const auto* const xs = reinterpret_cast<const float4*>(block + kWeightBytes + kNormBytes);
@@ -562,12 +570,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1)
   cp_async_wait<0>();  // no copy outlives the block (the trailing groups are empty)
 }
 
-// Launches bf16_stream_rows for m <= 8 activation rows where its ring fits (at least 2 stages per warp);
-// false: the caller runs bf16_tile_rows instead (the same outputs).
-template <int MODE, int RT, int WARPS, bool NORM>
-bool launch_bf16_stream(const GemvGroup<__nv_bfloat16>& g, const float* x, int m_count, cudaStream_t s) {
+// Launches bf16_stream_rows with SB k-blocks per stage where its ring holds at least 2 stages per warp.
+template <int MODE, int RT, int WARPS, bool NORM, int SB>
+bool launch_bf16_stream_stages(const GemvGroup<__nv_bfloat16>& g, const float* x, int m_count,
+                               cudaStream_t s) {
   constexpr int kTiles = stream_tiles<MODE, RT>();
-  const int stage_bytes = kStageBlocks * stream_stage_bytes(kTiles, NORM, m_count);
+  const int stage_bytes = SB * stream_stage_bytes(kTiles, NORM, m_count);
   const int stages = std::min(kMaxStages, kRingBytes / (WARPS * stage_bytes));
   if (stages < 2) return false;
   const size_t smem =
@@ -576,7 +584,7 @@ bool launch_bf16_stream(const GemvGroup<__nv_bfloat16>& g, const float* x, int m
     int device = 0, most = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-        cudaFuncSetAttribute(bf16_stream_rows<MODE, RT, WARPS, NORM>,
+        cudaFuncSetAttribute(bf16_stream_rows<MODE, RT, WARPS, NORM, SB>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, most) != cudaSuccess) {
       (void)cudaGetLastError();  // not sticky: the tile kernel runs instead
       return 0;
@@ -586,8 +594,17 @@ bool launch_bf16_stream(const GemvGroup<__nv_bfloat16>& g, const float* x, int m
   if (smem > static_cast<size_t>(allowed)) return false;
   const unsigned blocks =  // persistent: one per multiprocessor (the ring takes most of its shared memory)
       static_cast<unsigned>(std::min<int64_t>(g.tasks_before[g.count], multiprocessor_count()));
-  launch_pdl(bf16_stream_rows<MODE, RT, WARPS, NORM>, blocks, WARPS * 32, smem, s, g, x, m_count, stages);
+  launch_pdl(bf16_stream_rows<MODE, RT, WARPS, NORM, SB>, blocks, WARPS * 32, smem, s, g, x, m_count, stages);
   return true;
+}
+
+// Launches bf16_stream_rows for m <= 8 activation rows where its ring fits: two k-blocks per stage, else
+// one (the same outputs: a warp visits its k-blocks in the same order either way); false: the caller runs
+// bf16_tile_rows instead (the same outputs).
+template <int MODE, int RT, int WARPS, bool NORM>
+bool launch_bf16_stream(const GemvGroup<__nv_bfloat16>& g, const float* x, int m_count, cudaStream_t s) {
+  return launch_bf16_stream_stages<MODE, RT, WARPS, NORM, kStageBlocks>(g, x, m_count, s) ||
+         launch_bf16_stream_stages<MODE, RT, WARPS, NORM, 1>(g, x, m_count, s);
 }
 
 template <int MODE>
