@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "backend/cuda/kernels.h"
@@ -599,23 +600,25 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
   const auto* ids = reinterpret_cast<const int32_t*>(ids_at);
   const auto* values = reinterpret_cast<const float*>(values_at);
   bool whole_rows = false;  // more tied candidates than a row holds, or candidates that do not decide a row
-  std::vector<char> undecided(static_cast<size_t>(n_rows), 0);  // rows whose top-p prefix ends below
-  std::vector<float> lowest_candidate(static_cast<size_t>(n_rows));
+  // Per row whose top-p prefix ends below its candidates: its lowest candidate logit; nullopt where the
+  // candidates decide the row.
+  std::vector<std::optional<float>> undecided(static_cast<size_t>(n_rows));
   for (int64_t r = 0; r < n_rows && !whole_rows; ++r) {
     const int32_t c = counts[static_cast<size_t>(r)];
     whole_rows = c > kCandidateCap;
     if (whole_rows || !with_masses) continue;
     const float* v = values + r * kCandidateCap;
     const auto [lowest, highest] = std::minmax_element(v, v + c);
-    lowest_candidate[static_cast<size_t>(r)] = *lowest;
     const double inv_t = served_request.inv_temperature;
     // As the sampler weighs them (decode/sampler.cpp), the highest weighing 1.
     const double lowest_weight =
         std::exp(static_cast<double>(*lowest) * inv_t - static_cast<double>(*highest) * inv_t);
-    undecided[static_cast<size_t>(r)] = !sample.decided_by(
-        masses[static_cast<size_t>(2 * r)], masses[static_cast<size_t>(2 * r + 1)], lowest_weight);
+    if (!sample.decided_by(masses[static_cast<size_t>(2 * r)], masses[static_cast<size_t>(2 * r + 1)],
+                           lowest_weight))
+      undecided[static_cast<size_t>(r)] = *lowest;
   }
-  const bool any_undecided = std::any_of(undecided.begin(), undecided.end(), [](char u) { return u != 0; });
+  const bool any_undecided = std::any_of(undecided.begin(), undecided.end(),
+                                         [](const std::optional<float>& u) { return u.has_value(); });
   // Top-p alone whose prefix ends below the candidates: where it ends, found on the device (a few passes
   // over the rows still there) instead of copying the rows (1 MB each at Qwen's vocabulary) and sorting on
   // the host (6 ms per flat row).
@@ -632,11 +635,12 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
       stream_.synchronize();
       std::memcpy(bands.data(), bands_at, bands_bytes);
       for (int64_t r = 0; r < n_rows && !whole_rows; ++r) {
-        if (!undecided[static_cast<size_t>(r)]) continue;
+        const std::optional<float>& lowest_candidate = undecided[static_cast<size_t>(r)];
+        if (!lowest_candidate) continue;
         const cuda::TopPBand& b = bands[static_cast<size_t>(r)];
         const double candidate_mass = masses[static_cast<size_t>(2 * r)];
         whole_rows =
-            !(b.boundary < lowest_candidate[static_cast<size_t>(r)]) ||
+            !(b.boundary < *lowest_candidate) ||
             !sample.decides_kept_below(candidate_mass, b.above_mass, b.boundary_mass, b.boundary_count,
                                        candidate_mass + masses[static_cast<size_t>(2 * r + 1)]);
       }
@@ -656,7 +660,7 @@ void CudaExecutor::copy_out(int64_t T, LogitRows rows, int64_t V, int64_t argmax
     if (!bands.empty()) {
       const cuda::TopPBand& b = bands[static_cast<size_t>(r)];
       candidates.kept_below.push_back(
-          undecided[static_cast<size_t>(r)]
+          undecided[static_cast<size_t>(r)].has_value()
               ? KeptBelow{.at_least = b.boundary, .mass = b.above_mass + b.boundary_mass}
               : KeptBelow{});
     }
