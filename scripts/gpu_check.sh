@@ -25,7 +25,7 @@ if [ "$bin" != build ] && [ ! -e build/mtpx ]; then mkdir -p build && ln -s "$(r
 MTPX_AFFINE_ACTIVATIONS=f32 "$bin/mtpx_tests" --gtest_filter='*CudaQuantized*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # 4-bit products of few rows split each row over 2 warps by default (affine.cu, int8_slices); again with one.
 MTPX_INT8_SLICES=1 "$bin/mtpx_tests" --gtest_filter='Cuda.FourBit*:*CudaQuantized*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
-# bf16 rows run on tensor cores by default (kernels.cu, bf16_tile_rows); the bf16 tests run again on the FMA kernel.
+# bf16 rows run on tensor cores by default (matmul.cu, bf16_tile_rows); the bf16 tests run again on the FMA kernel.
 MTPX_BF16_ROWS=fma "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # Up to 4 bf16 rows stream their weights through shared memory by default (bf16_stream_rows); again without.
 MTPX_BF16_STREAM=0 "$bin/mtpx_tests" --gtest_filter='Cuda.Bf16*:*CudaFixture*:Cuda.GreedyMtp*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1

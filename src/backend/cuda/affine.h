@@ -1,4 +1,4 @@
-// Kernels for affine-quantized matrices (Matrix::type == Dtype::kAffine), used by kernels.cu's matmul,
+// Kernels for affine-quantized matrices (Matrix::type == Dtype::kAffine), used by matmul.cu's row products,
 // matmul_group, matmul_swiglu and embed_rows. Internal to backend/cuda.
 #pragma once
 

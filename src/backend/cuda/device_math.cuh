@@ -67,6 +67,57 @@ __device__ __forceinline__ void finish_rows(float (&acc)[R][M], const Group& g, 
   }
 }
 
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+inline unsigned blocks_for(int64_t n, int threads) {
+  return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
+// Sum over the block in a fixed order (per warp, then the warps in index order). Every thread gets it.
+template <typename T>
+__device__ T block_sum(T v, T* scratch /* [32] shared */) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  T total = 0;
+  for (int w = 0; w < warps; ++w) total += scratch[w];
+  return total;
+}
+
+inline unsigned elementwise_blocks(int64_t n) {
+  const int64_t b = (n + 255) / 256;
+  return static_cast<unsigned>(b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory: above 48 KiB a launch must ask for it (a host-side
+// attribute, set before every launch rather than kept as process state: cheap next to a prefill kernel).
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes, const char* what) {
+  if (const cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+      e != cudaSuccess)
+    fail(ErrorKind::kInternal, "CUDA: {} shared memory: {}", what, cudaGetErrorString(e));
+}
+
+// One m16n8k16 tensor-core step, bf16 operands, float32 accumulation (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16 with floating point type").
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// (a, b) as a bf16 pair rounded to nearest (a in the low half: the lower k), and the remainders likewise.
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(a - __low2float(h), b - __high2float(h));
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
 // Row kernels run 8 warps per block.
 inline constexpr int kGemvWarps = 8;
 

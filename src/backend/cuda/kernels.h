@@ -1,5 +1,6 @@
 // CUDA kernels for decoding: generic row-wise operations with dimensions as arguments (no model
-// knowledge; the model code in src/model/cuda_executor.cpp composes them). Every launcher runs
+// knowledge; the model code in src/model/cuda_executor.cpp composes them). Defined in matmul.cu,
+// affine.cu, attention.cu, deltanet.cu, row_ops.cu and sampling.cu. Every launcher runs
 // asynchronously on `stream` (a cudaStream_t).
 //
 // Batch invariance (what makes greedy MTP lossless on the GPU, as on the CPU): every kernel computes a

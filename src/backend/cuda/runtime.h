@@ -104,7 +104,7 @@ bool pdl_enabled();
 // (quant_matmul.h): unless the environment sets MTPX_AFFINE_ACTIVATIONS=f32. Read once.
 bool affine_int8_activations();
 
-// Whether bf16 decode and verify rows run on tensor cores (kernels.cu, bf16_tile_rows): unless the
+// Whether bf16 decode and verify rows run on tensor cores (matmul.cu, bf16_tile_rows): unless the
 // environment sets MTPX_BF16_ROWS=fma (the FMA kernel). Read once.
 bool bf16_tensor_rows();
 
@@ -122,7 +122,7 @@ bool early_loads();
 bool int8_row_slices();
 
 // Whether bf16 decode and verify rows of up to 4 activation rows stream their weights through shared
-// memory (kernels.cu, bf16_stream_rows; the same arithmetic as bf16_tile_rows): unless the environment sets
+// memory (matmul.cu, bf16_stream_rows; the same arithmetic as bf16_tile_rows): unless the environment sets
 // MTPX_BF16_STREAM=0. Read once.
 bool bf16_streaming();
 
