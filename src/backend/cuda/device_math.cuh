@@ -67,6 +67,7 @@ __device__ __forceinline__ void finish_rows(float (&acc)[R][M], const Group& g, 
   }
 }
 
+// kernels.h passes streams as void* (its callers need no CUDA headers).
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 inline unsigned blocks_for(int64_t n, int threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
@@ -85,6 +86,7 @@ __device__ T block_sum(T v, T* scratch /* [32] shared */) {
   return total;
 }
 
+// Grid of an elementwise kernel of 256 threads a block; past 4096 blocks its loop strides over the rest.
 inline unsigned elementwise_blocks(int64_t n) {
   const int64_t b = (n + 255) / 256;
   return static_cast<unsigned>(b < 4096 ? (b > 0 ? b : 1) : 4096);
