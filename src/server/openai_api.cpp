@@ -388,6 +388,38 @@ ResponseHeader new_response_header(const std::string& prefix, const std::string&
   return h;
 }
 
+namespace {
+
+// The fields every response object and chunk of the OpenAI API starts with.
+nlohmann::json response_json(const ResponseHeader& header, const std::string& object,
+                             nlohmann::json choices) {
+  return {{"id", header.id},
+          {"object", object},
+          {"created", header.created},
+          {"model", header.model},
+          {"choices", std::move(choices)}};
+}
+
+// The one choice this server returns: `field` ("message", "delta" or "text") holds the content.
+nlohmann::json single_choice(const char* field, nlohmann::json content, nlohmann::json finish_reason) {
+  return nlohmann::json::array({{{"index", 0},
+                                 {field, std::move(content)},
+                                 {"logprobs", nullptr},
+                                 {"finish_reason", std::move(finish_reason)}}});
+}
+
+nlohmann::json reason_or_null(const std::optional<std::string>& reason) {
+  return reason ? nlohmann::json(*reason) : nlohmann::json();
+}
+
+nlohmann::json with_usage(nlohmann::json response, const GenerationOutcome& outcome) {
+  response["usage"] = usage_json(outcome);
+  response["timings"] = timings_json(outcome);
+  return response;
+}
+
+}  // namespace
+
 nlohmann::json chat_completion_json(const ResponseHeader& header, const std::string& text,
                                     bool parse_tool_calls, const GenerationOutcome& outcome) {
   nlohmann::json message = {{"role", "assistant"}, {"content", text}};
@@ -401,69 +433,33 @@ nlohmann::json chat_completion_json(const ResponseHeader& header, const std::str
       for (const ToolCall& call : split.tool_calls) message["tool_calls"].push_back(tool_call_json(call));
     }
   }
-  return {{"id", header.id},
-          {"object", "chat.completion"},
-          {"created", header.created},
-          {"model", header.model},
-          {"choices",
-           {{{"index", 0},
-             {"message", message},
-             {"logprobs", nullptr},
-             {"finish_reason", finish_reason(outcome, made_tool_calls)}}}},
-          {"usage", usage_json(outcome)},
-          {"timings", timings_json(outcome)}};
+  return with_usage(
+      response_json(header, "chat.completion",
+                    single_choice("message", std::move(message), finish_reason(outcome, made_tool_calls))),
+      outcome);
 }
 
 nlohmann::json chat_chunk_json(const ResponseHeader& header, nlohmann::json delta,
                                const std::optional<std::string>& reason) {
-  return {{"id", header.id},
-          {"object", "chat.completion.chunk"},
-          {"created", header.created},
-          {"model", header.model},
-          {"choices",
-           {{{"index", 0},
-             {"delta", std::move(delta)},
-             {"logprobs", nullptr},
-             {"finish_reason", reason ? nlohmann::json(*reason) : nlohmann::json()}}}}};
+  return response_json(header, "chat.completion.chunk",
+                       single_choice("delta", std::move(delta), reason_or_null(reason)));
 }
 
 nlohmann::json text_completion_json(const ResponseHeader& header, const std::string& text,
                                     const GenerationOutcome& outcome) {
-  return {{"id", header.id},
-          {"object", "text_completion"},
-          {"created", header.created},
-          {"model", header.model},
-          {"choices",
-           {{{"index", 0},
-             {"text", text},
-             {"logprobs", nullptr},
-             {"finish_reason", finish_reason(outcome, false)}}}},
-          {"usage", usage_json(outcome)},
-          {"timings", timings_json(outcome)}};
+  return with_usage(
+      response_json(header, "text_completion", single_choice("text", text, finish_reason(outcome, false))),
+      outcome);
 }
 
 nlohmann::json text_chunk_json(const ResponseHeader& header, const std::string& text,
                                const std::optional<std::string>& reason) {
-  return {{"id", header.id},
-          {"object", "text_completion"},
-          {"created", header.created},
-          {"model", header.model},
-          {"choices",
-           {{{"index", 0},
-             {"text", text},
-             {"logprobs", nullptr},
-             {"finish_reason", reason ? nlohmann::json(*reason) : nlohmann::json()}}}}};
+  return response_json(header, "text_completion", single_choice("text", text, reason_or_null(reason)));
 }
 
 nlohmann::json usage_chunk_json(const ResponseHeader& header, const std::string& object,
                                 const GenerationOutcome& outcome) {
-  return {{"id", header.id},
-          {"object", object},
-          {"created", header.created},
-          {"model", header.model},
-          {"choices", nlohmann::json::array()},
-          {"usage", usage_json(outcome)},
-          {"timings", timings_json(outcome)}};
+  return with_usage(response_json(header, object, nlohmann::json::array()), outcome);
 }
 
 nlohmann::json error_json(int status, const std::string& message) {
