@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads)->check(CLI::Range(1, 1024));
   app.add_option("--shape", shape);
   app.add_flag("--json", json);
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = mtpx::bench::parse_arguments(app, argc, argv); code >= 0) return code;
   if (threads > 0) omp_set_num_threads(threads);
 
   auto t_init = Clock::now();

@@ -57,10 +57,11 @@ int main(int argc, char** argv) {
   double acceptance = 0.8;
   bool json = false;
   int64_t profile_steps = 0, profile_rows = 1, profile_prefill = 0, draft_vocab = 32768;
-  app.add_option("--shape", shape, "model shape (spec §9)");
+  auto* shape_option = app.add_option("--shape", shape, "model shape (spec §9)");
   std::string model_dir;
   app.add_option("--model", model_dir,
-                 "a checkpoint instead of a synthetic shape (e.g. mtpx synth --shape 9B --bits 4 --mtp)");
+                 "a checkpoint instead of a synthetic shape (e.g. mtpx synth --shape 9B --bits 4 --mtp)")
+      ->excludes(shape_option);
   app.add_option(
       "--profile-steps", profile_steps,
       "only run this many passes (decode steps, or windows of --profile-rows) for a profiler, then exit");
@@ -85,7 +86,7 @@ int main(int argc, char** argv) {
   app.add_option("--draft-vocab", draft_vocab,
                  "the MTP runs also with a draft vocabulary of the first N ids (0 or >= vocab: not)");
   app.add_flag("--json", json);
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = mtpx::bench::parse_arguments(app, argc, argv); code >= 0) return code;
 #ifndef MTPX_HAVE_CUDA
   fmt::print("bench_cuda: built without CUDA\n");
   return 77;
@@ -119,7 +120,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     nlohmann::json report;
-    report["shape"] = shape;
+    if (model_dir.empty()) report["shape"] = shape;  // a checkpoint is reported as "model" below
     const double copy_bw = cuda::copy_bandwidth(size_t{1} << 30, 20);
     const double gemm = cuda::bf16_gemm_rate(8192, 20);
     report["copy_bandwidth_GBs"] = copy_bw / 1e9;

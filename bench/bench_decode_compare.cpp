@@ -11,6 +11,7 @@
 #include <chrono>
 #include <sstream>
 
+#include "bench_util.h"
 #include "model/qwen35.h"
 #include "tools/bench.h"
 
@@ -23,7 +24,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", tokens)->check(CLI::PositiveNumber);
   app.add_option("--rounds", rounds)->check(CLI::PositiveNumber);
   app.add_option("--threads", threads)->check(CLI::Range(1, 1024));
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = mtpx::bench::parse_arguments(app, argc, argv); code >= 0) return code;
   if (threads > 0) omp_set_num_threads(threads);
   std::vector<std::string> dirs;
   std::stringstream ss(models_flag);

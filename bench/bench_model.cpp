@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "model/qwen35.h"
 #include "tools/bench.h"
 
@@ -35,7 +36,7 @@ int main(int argc, char** argv) {
   app.add_option("--repeats", repeats)->check(CLI::Range(1, 1000));
   app.add_option("--max-draft", max_draft)->check(CLI::Range(int64_t{1}, int64_t{8}));
   app.add_option("--draft-vocab", draft_vocab)->check(CLI::PositiveNumber);
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = mtpx::bench::parse_arguments(app, argc, argv); code >= 0) return code;
   if (threads > 0) omp_set_num_threads(threads);
   auto model = mtpx::Model::load(model_dir);
   model->use_device("cpu");  // the CPU kernels' weight tiles, before any timed pass

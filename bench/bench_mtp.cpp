@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "decode/generate.h"
 #include "model/qwen35.h"
 #include "model/shapes.h"
@@ -69,7 +70,7 @@ int main(int argc, char** argv) {
   app.add_option("--synthetic-acceptance", synthetic)->check(CLI::Range(0.0, 1.0));
   app.add_option("--threads", threads)->check(CLI::Range(1, 1024));
   app.add_flag("--json", json);
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = mtpx::bench::parse_arguments(app, argc, argv); code >= 0) return code;
   if (threads > 0) omp_set_num_threads(threads);
   const mtpx::ModelConfig config = mtpx::shape_config(shape);
   std::vector<int32_t> prompt(static_cast<size_t>(prompt_tokens));

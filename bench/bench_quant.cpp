@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/cpu/matmul.h"
+#include "bench_util.h"
 #include "util/bf16.h"
 
 namespace {
@@ -147,7 +148,7 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->check(CLI::IsMember({2, 3, 4, 5, 6, 8}));
   app.add_flag("--json", json);
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = mtpx::bench::parse_arguments(app, argc, argv); code >= 0) return code;
   omp_set_num_threads(threads);
   const WeightType scale_type = scales == "f32"   ? WeightType::kF32
                                 : scales == "f16" ? WeightType::kF16

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "bench_util.h"
 #include "decode/generate.h"
 #include "model/qwen35.h"
 #include "tools/graft.h"
@@ -33,7 +34,7 @@ int main(int argc, char** argv) {
   // A calibration text apart from the held-out samples the figures are measured on.
   std::string calibration_file = std::string(MTPX_SOURCE_DIR) + "/scripts/train_small_model.py";
   app.add_option("--calibration", calibration_file, "text file for the calibrated least-squares rows");
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = mtpx::bench::parse_arguments(app, argc, argv); code >= 0) return code;
 
   std::ifstream in(samples_file);
   const auto samples = nlohmann::json::parse(in)["samples"];

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "decode/sampler.h"
 
 namespace {
@@ -39,7 +40,7 @@ int main(int argc, char** argv) {
   app.add_option("--vocab", vocab, "ids per row")->check(CLI::Range(int64_t{2}, int64_t{1} << 24));
   app.add_option("--rows", rows, "rows timed per case (the median is reported)")->check(CLI::Range(1, 10000));
   app.add_option("--seed", seed, "random rows' seed");
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = mtpx::bench::parse_arguments(app, argc, argv); code >= 0) return code;
 
   const std::vector<RowKind> kinds = {{"peaked (sigma 3)", 3.0f}, {"flat (sigma 0.05)", 0.05f}};
   const std::vector<Sampler> samplers = {

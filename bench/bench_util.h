@@ -1,12 +1,27 @@
 // Helpers shared by the benchmark programs of bench/ (each is one .cpp file).
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
+#include <cstdio>
 
 #include "backend/cpu/matmul.h"
 #include "model/weights.h"
 
 namespace mtpx::bench {
+
+// Parses the command line as mtpx's own commands do (src/cli/main.cpp): a bad flag is one line on stderr and
+// exit code 2 (CLI11_PARSE would exit 105-111). Returns the code to exit with, or -1 to go on.
+inline int parse_arguments(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+    return -1;
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+}
 
 // Matmul FLOPs of one token through the trunk (excluding lm_head) plus lm_head rows.
 inline double matmul_flops(const ModelWeights& w, int64_t tokens, int64_t logit_rows) {
