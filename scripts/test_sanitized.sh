@@ -15,8 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${MTPX_ASAN_BUILD:-build-asan}
 jobs=${MTPX_ASAN_JOBS:-$(nproc)}
-kSlow='^(Python\.|SpeculativeSampling\.EarlyTokensHaveThePlainDistribution$|Tools\.(Quantize|Bench|Graft|Tune)|TrainedModel\.)'
-kRepetitive='^(SpeculativeSampling\.EarlyTokensHaveThePlainDistribution$|TrainedModel\.)'
+kSlow='^(Python\.|SpeculativeSampling\.EarlyTokensHaveThePlainDistribution(OnAMixtureOfExperts)?$|Tools\.(Quantize|Bench|Graft|Tune)|TrainedModel\.)'
+kRepetitive='^(SpeculativeSampling\.EarlyTokensHaveThePlainDistribution(OnAMixtureOfExperts)?$|TrainedModel\.)'
 exclude=()
 if [ "${1:-}" = "--quick" ]; then
   exclude=(-E "$kSlow")

@@ -205,7 +205,8 @@ TEST_P(ReferenceTest, TeacherForcedMtpLogitsMatchThePyTorchHead) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceTest,
                          ::testing::Values("wrapper_sharded_tied_bf16", "causal_untied_single_bf16",
-                                           "causal_f16_interval2", "causal_mtp_untied_f32"));
+                                           "causal_f16_interval2", "causal_mtp_untied_f32",
+                                           "moe_wrapper_fused_bf16", "moe_causal_mtp_f32"));
 
 }  // namespace
 }  // namespace mtpx

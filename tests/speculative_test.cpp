@@ -327,9 +327,9 @@ std::function<void(std::span<const int32_t>, std::vector<int32_t>&)> oracle(cons
 }
 
 TEST(SpeculativeGreedy, IdenticalToPlainDecodingForAllDraftDepths) {
-  std::vector<std::filesystem::path> models = {kFixtures / "wrapper_sharded_tied_bf16", kDefaultModel};
-  if (std::filesystem::exists(kFixtures / "causal_mtp_untied_f32"))
-    models.push_back(kFixtures / "causal_mtp_untied_f32");
+  const std::vector<std::filesystem::path> models = {
+      kFixtures / "wrapper_sharded_tied_bf16", kDefaultModel, kFixtures / "causal_mtp_untied_f32",
+      kFixtures / "moe_wrapper_fused_bf16", kFixtures / "moe_causal_mtp_f32"};
   for (const auto& path : models) {
     auto model = Model::load(path);
     ASSERT_NE(model->mtp(), nullptr) << path;
@@ -382,12 +382,10 @@ TEST(SpeculativeGreedy, IdenticalToPlainDecodingForAllDraftDepths) {
 // The joint distribution of the first two generated tokens, and the distribution of the fourth (which
 // depends on rollback after rejections), under MTP equal plain sampling, for several sampler settings,
 // with the head's own drafts, with oracle drafts (accept paths) and with drafts from a draft vocabulary.
-TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
-  auto model = Model::load(kFixtures / "wrapper_sharded_tied_bf16");
+void expect_early_tokens_have_the_plain_distribution(const std::filesystem::path& path,
+                                                     const std::vector<SamplerParams>& settings) {
+  auto model = Model::load(path);
   const std::vector<int32_t> prompt = {11, 22, 33};
-  const std::vector<SamplerParams> settings = {{.temperature = 1.0},
-                                               {.temperature = 0.7, .top_k = 20, .top_p = 0.95},
-                                               {.temperature = 1.3, .min_p = 0.05}};
 #ifdef MTPX_SANITIZED
   // Under AddressSanitizer (scripts/test_sanitized.sh) each run is ~10x slower; the sanitizer run is there
   // for memory errors along these paths, and 600 runs per sample still test the distributions (with less
@@ -409,7 +407,7 @@ TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
       plain_fourth[std::to_string(a.tokens[3])]++;
     }
     // Variants: the head's drafts; oracle drafts; the head's drafts from a draft vocabulary of the first
-    // 64 of 512 ids (tokens it cannot propose come through the residual).
+    // 64 ids (tokens it cannot propose come through the residual).
     for (int variant = 0; variant < 3; ++variant) {
       std::map<std::string, int> spec_counts, spec_fourth;
       for (int i = 0; i < runs; ++i) {
@@ -439,6 +437,21 @@ TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
           << "token 4, temperature " << sampler.temperature << " variant " << variant;
     }
   }
+}
+
+TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistribution) {
+  expect_early_tokens_have_the_plain_distribution(kFixtures / "wrapper_sharded_tied_bf16",
+                                                  {{.temperature = 1.0},
+                                                   {.temperature = 0.7, .top_k = 20, .top_p = 0.95},
+                                                   {.temperature = 1.3, .min_p = 0.05}});
+}
+
+// The same on a mixture-of-experts model (its head's layer is a MoE block too), where a verify window's
+// rows route to different experts.
+TEST(SpeculativeSampling, EarlyTokensHaveThePlainDistributionOnAMixtureOfExperts) {
+  expect_early_tokens_have_the_plain_distribution(
+      kFixtures / "moe_wrapper_fused_bf16",
+      {{.temperature = 1.0}, {.temperature = 0.8, .top_k = 40, .top_p = 0.9}});
 }
 
 // A draft vocabulary (drafts only from ids below N) changes which tokens are proposed, never the output:

@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "model/device.h"
+#include "tools/inspect.h"
 #include "util/error.h"
 
 namespace mtpx::cli {
@@ -85,6 +86,21 @@ std::unique_ptr<Model> load_model_on(const std::filesystem::path& dir, const std
   auto model = Model::load(dir);
   model->use_device(device);
   return model;
+}
+
+std::string paging_note(const Model& model) {
+  const int64_t available = tools::available_memory_bytes();
+  const int64_t bytes = model.mapped_bytes();
+  if (model.executor() != nullptr || available <= 0 || bytes <= available) return "";
+  const double gib = 1 << 30;
+  if (model.config().is_moe())
+    return fmt::format(
+        "the weights ({:.1f} GiB) exceed the available memory ({:.1f} GiB): running from the mapped files, "
+        "routed experts read from disk the first time tokens route to them",
+        static_cast<double>(bytes) / gib, static_cast<double>(available) / gib);
+  return fmt::format(
+      "the weights ({:.1f} GiB) exceed the available memory ({:.1f} GiB): every token reads them from disk",
+      static_cast<double>(bytes) / gib, static_cast<double>(available) / gib);
 }
 
 void set_threads(int threads) {

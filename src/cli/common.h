@@ -34,6 +34,11 @@ std::vector<int32_t> resolve_prompt(const std::string& prompt_text, const std::s
 // Loads a model directory and moves its forward passes to `device` ("cpu" or "cuda").
 std::unique_ptr<Model> load_model_on(const std::filesystem::path& dir, const std::string& device);
 
+// When a model on the CPU is larger than the memory available: a note saying how it runs anyway (from the
+// mapped files: a mixture-of-experts model reads each token's routed experts from disk the first time they
+// are used; a dense one reads all of its weights every token). "" when the weights fit (or on a GPU).
+std::string paging_note(const Model& model);
+
 // Peak resident set size of this process in bytes.
 int64_t peak_rss_bytes();
 

@@ -63,6 +63,8 @@ int run_generate(const GenerateFlags& f) {
   const auto dir = resolve_model_dir(f.model);
   auto model = load_model_on(dir, f.device);
   auto tokenizer = load_tokenizer_if_present(dir);
+  const std::string paging = paging_note(*model);
+  if (!paging.empty()) std::fprintf(stderr, "note: %s\n", paging.c_str());
 
   const std::vector<int32_t> prompt =
       resolve_prompt(f.prompt, f.prompt_ids, tokenizer, dir, model->config().vocab_size);
@@ -129,10 +131,11 @@ int run_generate(const GenerateFlags& f) {
                                                 : 0.0);
       std::fprintf(stderr,
                    "[prompt %lld tok, prefill %.1f tok/s | generated %lld tok, decode %.1f tok/s%s | peak "
-                   "RSS %.0f MiB%s]\n",
+                   "RSS %.0f MiB%s%s]\n",
                    static_cast<long long>(r.stats.prompt_tokens), r.stats.prefill_tok_s(),
                    static_cast<long long>(r.stats.generated_tokens), r.stats.decode_tok_s(), mtp.c_str(),
-                   static_cast<double>(peak_rss_bytes()) / (1 << 20), device_memory_text(*model).c_str());
+                   static_cast<double>(peak_rss_bytes()) / (1 << 20), device_memory_text(*model).c_str(),
+                   paging.empty() ? "" : " | weights larger than memory, paged from the files");
     }
   }
   // Text cut inside a UTF-8 character (max-tokens reached mid-character) is printed with U+FFFD.

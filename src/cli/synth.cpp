@@ -27,20 +27,28 @@ struct SynthFlags {
   bool force = false;
   uint64_t seed = 1;
   int threads = 0;
+  int64_t layers = 0;
 };
 
 // A named shape (spec §9), or the shape of a config.json / a model directory's config.json.
-ModelConfig synth_shape(const std::string& shape) {
+// layers > 0: only the first `layers` layers (a reduced-depth model).
+ModelConfig synth_shape(const std::string& shape, int64_t layers) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  if (fs::is_directory(shape, ec)) return load_model_config(fs::path(shape) / "config.json");
-  if (fs::is_regular_file(shape, ec)) return load_model_config(shape);
-  return shape_config(shape);
+  if (!fs::is_directory(shape, ec) && !fs::is_regular_file(shape, ec)) return shape_config(shape, layers);
+  ModelConfig c =
+      load_model_config(fs::is_directory(shape, ec) ? fs::path(shape) / "config.json" : fs::path(shape));
+  if (layers > c.num_layers) invalid_input("--layers {}: '{}' has {} layers", layers, shape, c.num_layers);
+  if (layers > 0) {
+    c.num_layers = layers;
+    c.layer_types.resize(static_cast<size_t>(layers));
+  }
+  return c;
 }
 
 int run_synth(const SynthFlags& f) {
   set_threads(f.threads);
-  ModelConfig config = synth_shape(f.shape);
+  ModelConfig config = synth_shape(f.shape, f.layers);
   config.mtp_num_hidden_layers = f.mtp ? 1 : 0;
   config.max_position_embeddings = 262144;
   tools::WriteOptions options;
@@ -53,14 +61,15 @@ int run_synth(const SynthFlags& f) {
   options.progress = [&](double x) { bar.update(x); };
 
   tools::AtomicDirectory out(f.out, f.force);
-  const auto tensors = tools::checkpoint_manifest(config, f.mtp);
+  const auto tensors = tools::checkpoint_manifest(config, f.mtp, options.layout);
   const int64_t bytes = tools::write_checkpoint_tensors(out.path(), tensors, options);
   tools::write_json_file(out.path() / "config.json", tools::config_json(config, options));
   // Greedy by default: random weights make sampling defaults meaningless.
   tools::write_json_file(out.path() / "generation_config.json", {{"do_sample", false}});
   out.commit();
   bar.finish();
-  fmt::print("wrote {} ({} shape, {}, {:.2f} GB{})\n", f.out, f.shape,
+  fmt::print("wrote {} ({} shape{}, {}, {:.2f} GB{})\n", f.out, f.shape,
+             f.layers > 0 ? fmt::format(", first {} layers", f.layers) : std::string(),
              f.bits < 16 ? fmt::format("{}-bit affine, group {}", f.bits, f.group_size) : std::string("bf16"),
              static_cast<double>(bytes) / 1e9, f.mtp ? ", with MTP head" : "");
   return 0;
@@ -71,8 +80,14 @@ int run_synth(const SynthFlags& f) {
 std::function<int()> add_synth_command(CLI::App& app) {
   auto f = std::make_shared<SynthFlags>();
   app.add_option("--shape", f->shape,
-                 "0.8B, 2B, 4B, 9B, 27B, tiny, or a config.json (or model directory) to copy the shape of")
+                 "0.8B, 2B, 4B, 9B, 27B, 35B-A3B, 122B-A10B, 397B-A17B, tiny, tiny-moe, or a config.json (or "
+                 "model directory) to copy the shape of")
       ->required();
+  app.add_option(
+         "--layers", f->layers,
+         "only the first N layers of the shape (a reduced-depth model, e.g. a MoE shape that fits this "
+         "machine's memory)")
+      ->check(CLI::Range(1, 1024));
   app.add_option("--out", f->out, "output model directory (must not exist)")->required();
   app.add_option("--bits", f->bits, "16 (bf16), or 8, 6, 4 (MLX affine quantization)")
       ->check(CLI::IsMember({16, 8, 6, 4}));

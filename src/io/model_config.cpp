@@ -19,6 +19,7 @@ constexpr int64_t kMaxVocab = 1 << 22;
 constexpr int64_t kMaxHeads = 1024;
 constexpr int64_t kMaxHeadDim = 1024;
 constexpr int64_t kMaxIntermediate = 1 << 18;
+constexpr int64_t kMaxExperts = 4096;
 
 class Reader {
  public:
@@ -120,28 +121,47 @@ ModelConfig parse_model_config(const json& root, const std::string& source) {
   const json& text = wrapper ? root.at("text_config") : root;
   const std::string text_type = Reader(text, source).string("model_type", model_type);
 
-  auto is_moe = [](const std::string& s) {
-    return s.find("Moe") != std::string::npos || s.find("moe") != std::string::npos;
-  };
-  if (is_moe(architecture) || is_moe(model_type) || is_moe(text_type))
-    fail(ErrorKind::kUnsupported, "{}: mixture-of-experts Qwen3.5 models ('{}') are not supported yet",
-         source, architecture.empty() ? model_type : architecture);
-  const bool known = architecture == "Qwen3_5ForConditionalGeneration" ||
+  // Dense (qwen3_5) and mixture-of-experts (qwen3_5_moe) checkpoints differ only in their MLPs.
+  const bool dense = architecture == "Qwen3_5ForConditionalGeneration" ||
                      architecture == "Qwen3_5ForCausalLM" ||
                      (architecture.empty() && (model_type == "qwen3_5" || model_type == "qwen3_5_text"));
-  if (!known)
+  const bool moe =
+      architecture == "Qwen3_5MoeForConditionalGeneration" || architecture == "Qwen3_5MoeForCausalLM" ||
+      (architecture.empty() && (model_type == "qwen3_5_moe" || model_type == "qwen3_5_moe_text"));
+  if (!dense && !moe)
     fail(ErrorKind::kUnsupported,
-         "{}: unknown architecture '{}' (model_type '{}'); mtpx runs Qwen3_5ForConditionalGeneration and "
-         "Qwen3_5ForCausalLM",
+         "{}: unknown architecture '{}' (model_type '{}'); mtpx runs Qwen3_5ForConditionalGeneration, "
+         "Qwen3_5ForCausalLM, Qwen3_5MoeForConditionalGeneration and Qwen3_5MoeForCausalLM",
          source, architecture, model_type);
-  c.architecture = architecture.empty() ? (wrapper ? "Qwen3_5ForConditionalGeneration" : "Qwen3_5ForCausalLM")
-                                        : architecture;
+  const std::string family = moe ? "Qwen3_5Moe" : "Qwen3_5";
+  c.architecture =
+      architecture.empty() ? family + (wrapper ? "ForConditionalGeneration" : "ForCausalLM") : architecture;
   c.tensor_prefix = wrapper ? "model.language_model." : "model.";
 
   Reader t(text, wrapper ? source + " (text_config)" : source);
   c.vocab_size = t.integer("vocab_size", std::nullopt, 1, kMaxVocab);
   c.hidden_size = t.integer("hidden_size", std::nullopt, 1, kMaxHidden);
-  c.intermediate_size = t.integer("intermediate_size", std::nullopt, 1, kMaxIntermediate);
+  if (moe) {
+    // MoE configs carry no intermediate_size (transformers' Qwen3_5MoeTextConfig has none); every layer is
+    // routed (5.17 reads no layer-selection field, so a config asking for dense layers cannot be honoured).
+    c.num_experts = t.integer("num_experts", 256, 1, kMaxExperts);
+    c.num_experts_per_tok = t.integer("num_experts_per_tok", 8, 1, c.num_experts);
+    c.moe_intermediate_size = t.integer("moe_intermediate_size", 512, 1, kMaxIntermediate);
+    c.shared_expert_intermediate_size =
+        t.integer("shared_expert_intermediate_size", 512, 1, kMaxIntermediate);
+    t.boolean("norm_topk_prob", true);  // checked for its type only: 5.17 renormalizes either way
+    if (t.has("mlp_only_layers") &&
+        !(text.at("mlp_only_layers").is_array() && text.at("mlp_only_layers").empty()))
+      fail(ErrorKind::kUnsupported,
+           "{}: 'mlp_only_layers' = {} asks for dense layers, which Qwen3.5 MoE models do not have",
+           t.source(), text.at("mlp_only_layers").dump());
+    if (t.integer("decoder_sparse_step", 1, 1, kMaxLayers) != 1)
+      fail(ErrorKind::kUnsupported,
+           "{}: 'decoder_sparse_step' = {} asks for dense layers, which Qwen3.5 MoE models do not have",
+           t.source(), text.at("decoder_sparse_step").dump());
+  } else {
+    c.intermediate_size = t.integer("intermediate_size", std::nullopt, 1, kMaxIntermediate);
+  }
   c.num_layers = t.integer("num_hidden_layers", std::nullopt, 1, kMaxLayers);
   c.num_attention_heads = t.integer("num_attention_heads", std::nullopt, 1, kMaxHeads);
   c.num_kv_heads = t.integer("num_key_value_heads", c.num_attention_heads, 1, kMaxHeads);

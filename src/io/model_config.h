@@ -17,12 +17,12 @@ namespace mtpx {
 enum class LayerType { kLinearAttention, kFullAttention };
 
 struct ModelConfig {
-  std::string architecture;   // "Qwen3_5ForConditionalGeneration" or "Qwen3_5ForCausalLM"
+  std::string architecture;   // "Qwen3_5[Moe]ForConditionalGeneration" or "Qwen3_5[Moe]ForCausalLM"
   std::string tensor_prefix;  // "model.language_model." (multimodal wrapper) or "model." (text-only)
 
   int64_t vocab_size = 0;              // V: rows of embed_tokens / lm_head
   int64_t hidden_size = 0;             // H
-  int64_t intermediate_size = 0;       // I (dense SwiGLU)
+  int64_t intermediate_size = 0;       // I (dense SwiGLU; 0 in a mixture-of-experts model)
   int64_t num_layers = 0;              // L
   std::vector<LayerType> layer_types;  // [L]
 
@@ -42,6 +42,15 @@ struct ModelConfig {
   int64_t linear_value_head_dim = 0;   // Dv
   int64_t linear_conv_kernel_dim = 0;  // Kc
 
+  // Mixture of experts (qwen3_5_moe, spec §5 and §10): every decoder layer's MLP, the MTP head's included,
+  // is a router over num_experts SwiGLU experts of moe_intermediate_size, of which each token runs
+  // num_experts_per_tok, plus one shared expert of shared_expert_intermediate_size. 0 experts: dense.
+  // transformers 5.17 always renormalizes the chosen experts' weights to sum 1 (it reads no norm_topk_prob).
+  int64_t num_experts = 0;                      // E
+  int64_t num_experts_per_tok = 0;              // k
+  int64_t moe_intermediate_size = 0;            // I_moe
+  int64_t shared_expert_intermediate_size = 0;  // I_shared
+
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;  // from config; the loader also checks whether lm_head.weight exists
   int64_t mtp_num_hidden_layers = 0;
@@ -51,6 +60,7 @@ struct ModelConfig {
   int64_t conv_dim() const {
     return 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * linear_value_head_dim;
   }
+  bool is_moe() const { return num_experts > 0; }
   int64_t num_full_attention_layers() const;
   int64_t num_linear_attention_layers() const { return num_layers - num_full_attention_layers(); }
 };

@@ -483,6 +483,12 @@ void TensorStore::release_pages() const {
   for (const auto& f : files_) f->release_pages();
 }
 
+int64_t TensorStore::mapped_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& f : files_) bytes += static_cast<int64_t>(f->size());
+  return bytes;
+}
+
 std::vector<std::string> TensorStore::names() const {
   std::vector<std::string> result;
   result.reserve(index_.size());

@@ -77,6 +77,7 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   const TensorView* find(std::string_view name) const;
   void release_pages() const { file_->release_pages(); }
+  size_t size() const { return file_->size(); }
 
  private:
   std::unique_ptr<MappedFile> file_;
@@ -100,6 +101,8 @@ class TensorStore {
   const std::filesystem::path& directory() const { return dir_; }
   // Drops every file's pages from resident memory (after the weights were copied to a device).
   void release_pages() const;
+  // Bytes of all the mapped files.
+  int64_t mapped_bytes() const;
 
  private:
   std::filesystem::path dir_;

@@ -257,6 +257,10 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
   const cuda::DeviceInfo info = cuda::device_info();
   description_ = fmt::format("cuda: {}, sm_{}{}, {:.1f} GiB", info.name, info.compute_major,
                              info.compute_minor, static_cast<double>(info.total_bytes) / (1 << 30));
+  if (c.is_moe())
+    fail(ErrorKind::kUnsupported,
+         "--device cuda: mixture-of-experts models ({} experts) run on the CPU for now (--device cpu)",
+         c.num_experts);
   if (c.head_dim % 32 != 0 || c.head_dim > 256)
     fail(ErrorKind::kUnsupported, "--device cuda: head_dim {} is not supported (32, 64, 128, 256)",
          c.head_dim);

@@ -7,13 +7,14 @@
 #include "model/attention.h"
 #include "model/gated_deltanet.h"
 #include "model/mlp.h"
+#include "model/moe.h"
 #include "util/error.h"
 
 namespace mtpx {
 
 void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCache* kv, DeltaNetState* delta,
                            int64_t p0, float* x, int64_t T, bool record_window, int64_t out_rows,
-                           InputStatistics* stats) {
+                           InputStatistics* stats, ExpertTraffic* traffic) {
   const int64_t H = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
   if (out_rows <= 0 || out_rows > T) out_rows = T;
@@ -32,7 +33,10 @@ void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCa
   cpu::add_inplace(out, branch.data(), out_rows * H);
   for (int64_t t = 0; t < out_rows; ++t)
     cpu::rms_norm(out + t * H, layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(t * H)]);
-  mlp_forward(layer.mlp, normed.data(), out_rows, branch.data(), stats);
+  if (layer.moe)
+    moe_forward(*layer.moe, normed.data(), out_rows, branch.data(), stats, traffic);
+  else
+    mlp_forward(layer.mlp, normed.data(), out_rows, branch.data(), stats);
   cpu::add_inplace(out, branch.data(), out_rows * H);
 }
 

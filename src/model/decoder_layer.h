@@ -15,7 +15,7 @@ class InputStatistics;
 enum class LogitRows { kNone, kLast, kAll };
 
 // One decoder layer (spec §2), in place on the residual stream x [T, H] at positions p0..p0+T-1:
-//   x += mixer(RMSNorm1p(x));  x += MLP(RMSNorm1p(x))
+//   x += mixer(RMSNorm1p(x));  x += MLP(RMSNorm1p(x))   (MLP: SwiGLU, or the MoE block of model/moe.h)
 // The mixer is gated full attention over `kv` for full-attention layers, Gated DeltaNet on `delta`
 // otherwise (record_window: keep what a rollback needs).
 // out_rows > 0 (full attention only): only the last out_rows rows of x are computed; the rows before them
@@ -24,7 +24,8 @@ enum class LogitRows { kNone, kLast, kAll };
 void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& config, KvCache* kv,
                            DeltaNetState* delta, int64_t p0, float* x, int64_t t_count,
                            bool record_window = false, int64_t out_rows = 0,
-                           InputStatistics* stats = nullptr);  // stats: see input_statistics.h
+                           InputStatistics* stats = nullptr,   // stats: see input_statistics.h
+                           ExpertTraffic* traffic = nullptr);  // MoE layers count their experts in it
 
 // hidden = RMSNorm1p(x, norm) for all T rows; logits = hidden @ lm_head^T for the rows asked for.
 // next_prefix_rows > 0: the next product reads lm_head rows [0, next_prefix_rows) (the MTP head's draft

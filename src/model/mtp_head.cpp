@@ -85,7 +85,8 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
   // the shared lm_head. With kLast the rows before the last only write the cache: nothing reads their
   // outputs, and the last row's result is the same either way (batch invariance).
   const int64_t out_rows = rows == LogitRows::kLast ? 1 : T;
-  decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T, false, out_rows, stats);
+  decoder_layer_forward(head->layer, c, &state.kv(), nullptr, p0, x.data(), T, false, out_rows, stats,
+                        &state.expert_traffic());
   // A draft vocabulary reads the first logit_ids rows of the lm_head (a view: rows are contiguous in
   // every weight layout, codes and scales alike).
   cpu::WeightMatrix lm_head = w.lm_head;

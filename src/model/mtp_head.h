@@ -24,9 +24,12 @@ class MtpState {
   // As InferenceState::set_input_statistics, for the head's products.
   void set_input_statistics(InputStatistics* stats) { input_stats_ = stats; }
   InputStatistics* input_statistics() const { return input_stats_; }
+  // A MoE head: the experts its host passes read.
+  ExpertTraffic& expert_traffic() { return expert_traffic_; }
 
  private:
   InputStatistics* input_stats_ = nullptr;
+  ExpertTraffic expert_traffic_;
   int64_t capacity_;
   KvCache kv_;
   std::unique_ptr<DeviceSequence> device_;

@@ -51,6 +51,8 @@ std::unique_ptr<Model> Model::synthetic(const ModelConfig& config, uint64_t seed
   return m;
 }
 
+int64_t Model::mapped_bytes() const { return store_ ? store_->mapped_bytes() : 0; }
+
 namespace {
 
 // Every matrix a forward pass multiplies by (not embed_tokens, whose rows are looked up).
@@ -67,6 +69,12 @@ void for_each_layer_matrix(LayerWeights& l, F f) {
       f(*w);
   }
   for (cpu::WeightMatrix* w : {&l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj}) f(*w);
+  // A MoE block's shared parts; not its routed experts, which are most of the model (AMX tiles are a copy,
+  // and the experts' small products read their rows in the AVX-512 kernels instead).
+  if (l.moe)
+    for (cpu::WeightMatrix* w : {&l.moe->router, &l.moe->shared_expert_gate, &l.moe->shared_expert.gate_proj,
+                                 &l.moe->shared_expert.up_proj, &l.moe->shared_expert.down_proj})
+      f(*w);
 }
 
 }  // namespace
@@ -170,7 +178,7 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   InputStatistics* stats = state.input_statistics();
   for (int64_t li = 0; li < c.num_layers; ++li)
     decoder_layer_forward(weights_.layers[static_cast<size_t>(li)], c, &state.kv(li), &state.delta(li), p0,
-                          x.data(), T, record_window, 0, stats);
+                          x.data(), T, record_window, 0, stats, &state.expert_traffic());
   norm_and_logits(c, weights_.lm_head, weights_.final_norm, x.data(), T, rows, result.hidden, result.logits,
                   head_logit_ids);
   if (stats != nullptr) stats->add(weights_.lm_head, result.hidden.data(), T);  // every row's hidden

@@ -46,6 +46,8 @@ class Model {
   const MtpWeights* mtp() const { return mtp_ ? &*mtp_ : nullptr; }
   const MtpStatus& mtp_status() const { return mtp_status_; }
   const std::filesystem::path& directory() const { return dir_; }
+  // Bytes of the checkpoint files the weights are mapped from (0 for a synthetic model).
+  int64_t mapped_bytes() const;
 
   // Moves the forward passes to `device`: "cpu" (the default; prepare_cpu_kernels() now) or "cuda" (weights
   // are uploaded now and the host's copies of the mapped files are dropped from memory). Throws mtpx::Error

@@ -42,6 +42,16 @@ struct DeltaNetState {
   DeltaNetWindow window;    // filled by a forward pass run with record_window
 };
 
+// How many distinct routed experts a mixture-of-experts model's passes read (model/moe.h): each one's
+// weights are read once per MoE block call, so a verify window of K+1 rows costs what its distinct experts
+// cost, more than a decode row's k when its rows route apart.
+struct ExpertTraffic {
+  int64_t blocks = 0;         // MoE block calls (layers x forward passes)
+  int64_t rows = 0;           // rows over those calls
+  int64_t expert_reads = 0;   // distinct experts, summed over the calls
+  int64_t max_per_block = 0;  // the most distinct experts one call read
+};
+
 // A sequence's state held by a device executor (model/device.h); opaque here.
 class DeviceSequence {
  public:
@@ -72,9 +82,12 @@ class InferenceState {
   // nullptr: none).
   void set_input_statistics(InputStatistics* stats) { input_stats_ = stats; }
   InputStatistics* input_statistics() const { return input_stats_; }
+  // Mixture-of-experts models: the experts this sequence's passes read (host passes).
+  ExpertTraffic& expert_traffic() { return expert_traffic_; }
 
  private:
   InputStatistics* input_stats_ = nullptr;
+  ExpertTraffic expert_traffic_;
   int64_t capacity_;
   int64_t position_ = 0;
   int64_t window_start_ = 0;

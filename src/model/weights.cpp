@@ -62,6 +62,17 @@ class Resolver {
     if (scales == nullptr || biases == nullptr)
       invalid_input("tensor '{}' is uint32 (quantized) but '{}.scales' or '{}.biases' is missing (in '{}')",
                     name, base, base, codes.file.string());
+    return affine_parts(codes, *scales, *biases, rows, cols);
+  }
+
+  // The codes, scales and biases of one [rows, cols] affine matrix, checked.
+  cpu::WeightMatrix affine_parts(const TensorView& codes, const TensorView& scales_t,
+                                 const TensorView& biases_t, int64_t rows, int64_t cols) {
+    const TensorView* scales = &scales_t;
+    const TensorView* biases = &biases_t;
+    const std::string& name = codes.name;
+    const std::string base =
+        name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
     if (codes.shape.size() != 2 || codes.shape[0] != rows || codes.shape[1] <= 0 ||
         (codes.shape[1] * 32) % cols != 0)
       invalid_input("quantized tensor '{}' has shape {}, which does not pack a [{}, {}] matrix (in '{}')",
@@ -88,6 +99,55 @@ class Resolver {
     w.biases = biases->data;
     bytes_ += static_cast<int64_t>(codes.nbytes + scales->nbytes + biases->nbytes);
     return w;
+  }
+
+  // The per-expert [rows, cols] matrices of a stacked tensor [E, rows_total, cols] (float) or, for MLX's
+  // quantized switch_mlp, uint32 codes [E, rows_total, cols*bits/32] with `<base>.scales` / `.biases`
+  // [E, rows_total, cols/group]: expert e's rows [row0, row0 + rows) of its slice, as views.
+  std::vector<cpu::WeightMatrix> stacked(const std::string& name, int64_t experts, int64_t rows_total,
+                                         int64_t row0, int64_t rows, int64_t cols) {
+    const TensorView& t = store_.get(name);
+    if (t.shape.size() != 3 || t.shape[0] != experts || t.shape[1] != rows_total)
+      invalid_input("tensor '{}' has wrong shape: expected [{}, {}, {}], found {} (in '{}')", name, experts,
+                    rows_total, cols, shape_string(t.shape), t.file.string());
+    std::vector<cpu::WeightMatrix> out;
+    if (t.dtype != DType::kU32) {
+      tensor(name, {experts, rows_total, cols});
+      const size_t elem = t.nbytes / static_cast<size_t>(t.numel());
+      for (int64_t e = 0; e < experts; ++e)
+        out.push_back({weight_type(t), t.data + static_cast<size_t>((e * rows_total + row0) * cols) * elem,
+                       rows, cols});
+      if (row0 == 0) bytes_ += static_cast<int64_t>(t.nbytes);  // a fused tensor's bytes counted once
+      return out;
+    }
+    // Quantized: check the stack as one [E * rows_total, cols] matrix, then cut it per expert.
+    TensorView flat = t;
+    flat.shape = {experts * rows_total, t.shape[2]};
+    const std::string base = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    const TensorView* scales = store_.find(base + ".scales");
+    const TensorView* biases = store_.find(base + ".biases");
+    if (scales == nullptr || biases == nullptr || scales->shape.size() != 3 ||
+        biases->shape != scales->shape || scales->shape[0] != experts || scales->shape[1] != rows_total)
+      invalid_input(
+          "quantized tensor '{}' needs '{}.scales' and '{}.biases' of shape [{}, {}, groups] (in '{}')", name,
+          base, base, experts, rows_total, t.file.string());
+    TensorView flat_scales = *scales, flat_biases = *biases;
+    flat_scales.shape = flat_biases.shape = {experts * rows_total, scales->shape[2]};
+    const cpu::WeightMatrix whole = affine_parts(flat, flat_scales, flat_biases, experts * rows_total, cols);
+    if (row0 != 0)
+      bytes_ -= static_cast<int64_t>(t.nbytes + scales->nbytes + biases->nbytes);  // counted once
+    const int64_t code_row = t.shape[2] * 4,
+                  scale_row = static_cast<int64_t>(scales->nbytes) / (experts * rows_total);
+    for (int64_t e = 0; e < experts; ++e) {
+      cpu::WeightMatrix w = whole;
+      const int64_t first = e * rows_total + row0;
+      w.rows = rows;
+      w.data = static_cast<const std::byte*>(whole.data) + first * code_row;
+      w.scales = static_cast<const std::byte*>(whole.scales) + first * scale_row;
+      w.biases = static_cast<const std::byte*>(whole.biases) + first * scale_row;
+      out.push_back(w);
+    }
+    return out;
   }
 
   // A small vector widened to float32 (+ offset).
@@ -179,11 +239,48 @@ DeltaNetWeights load_delta_net(Resolver& r, const std::string& p, const ModelCon
   return d;
 }
 
-MlpWeights load_mlp(Resolver& r, const std::string& p, const ModelConfig& c) {
+MlpWeights load_mlp(Resolver& r, const std::string& p, int64_t hidden, int64_t intermediate) {
   MlpWeights m;
-  m.gate_proj = r.matrix(p + "gate_proj.weight", c.intermediate_size, c.hidden_size);
-  m.up_proj = r.matrix(p + "up_proj.weight", c.intermediate_size, c.hidden_size);
-  m.down_proj = r.matrix(p + "down_proj.weight", c.hidden_size, c.intermediate_size);
+  m.gate_proj = r.matrix(p + "gate_proj.weight", intermediate, hidden);
+  m.up_proj = r.matrix(p + "up_proj.weight", intermediate, hidden);
+  m.down_proj = r.matrix(p + "down_proj.weight", hidden, intermediate);
+  return m;
+}
+
+// The MoE block under prefix p ("...mlp."), its experts in whichever layout the checkpoint stores them
+// (qwen35_arch.md §10): fused 3-D experts.gate_up_proj / experts.down_proj (official bf16 releases), one
+// tensor per expert experts.{e}.{gate,up,down}_proj.weight (transformers' save_pretrained, FP8 releases,
+// the Qwen3.5 MTP heads), or MLX's stacked switch_mlp.{gate,up,down}_proj (quantized or not). Quantization is
+// read per tensor: MLX leaves a tensor in bf16 when its input size is not a multiple of the group.
+MoeWeights load_moe(Resolver& r, const std::string& p, const ModelConfig& c) {
+  const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size,
+                Is = c.shared_expert_intermediate_size;
+  MoeWeights m;
+  m.experts_per_token = c.num_experts_per_tok;
+  m.router = r.matrix(p + "gate.weight", E, H);
+  m.shared_expert = load_mlp(r, p + "shared_expert.", H, Is);
+  m.shared_expert_gate = r.matrix(p + "shared_expert_gate.weight", 1, H);
+  m.experts.resize(static_cast<size_t>(E));
+  auto assign = [&](std::vector<cpu::WeightMatrix> views, cpu::WeightMatrix MlpWeights::*field) {
+    for (int64_t e = 0; e < E; ++e) m.experts[static_cast<size_t>(e)].*field = views[static_cast<size_t>(e)];
+  };
+  if (r.find(p + "experts.gate_up_proj") != nullptr) {
+    assign(r.stacked(p + "experts.gate_up_proj", E, 2 * I, 0, I, H), &MlpWeights::gate_proj);
+    assign(r.stacked(p + "experts.gate_up_proj", E, 2 * I, I, I, H), &MlpWeights::up_proj);
+    assign(r.stacked(p + "experts.down_proj", E, H, 0, H, I), &MlpWeights::down_proj);
+  } else if (r.find(p + "switch_mlp.gate_proj.weight") != nullptr) {
+    assign(r.stacked(p + "switch_mlp.gate_proj.weight", E, I, 0, I, H), &MlpWeights::gate_proj);
+    assign(r.stacked(p + "switch_mlp.up_proj.weight", E, I, 0, I, H), &MlpWeights::up_proj);
+    assign(r.stacked(p + "switch_mlp.down_proj.weight", E, H, 0, H, I), &MlpWeights::down_proj);
+  } else if (r.find(p + "experts.0.gate_proj.weight") != nullptr) {
+    for (int64_t e = 0; e < E; ++e)
+      m.experts[static_cast<size_t>(e)] = load_mlp(r, p + "experts." + std::to_string(e) + ".", H, I);
+  } else {
+    invalid_input(
+        "no experts for '{}': expected '{}experts.gate_up_proj', '{}experts.0.gate_proj.weight' or "
+        "'{}switch_mlp.gate_proj.weight'",
+        p, p, p, p);
+  }
   return m;
 }
 
@@ -238,7 +335,10 @@ ModelWeights load_model_weights(const TensorStore& store, const ModelConfig& c, 
     } else {
       layer.delta_net = load_delta_net(r, p + "linear_attn.", c);
     }
-    layer.mlp = load_mlp(r, p + "mlp.", c);
+    if (c.is_moe())
+      layer.moe = load_moe(r, p + "mlp.", c);
+    else
+      layer.mlp = load_mlp(r, p + "mlp.", c.hidden_size, c.intermediate_size);
     w.layers.push_back(std::move(layer));
   }
   w.matrix_bytes = r.bytes();
@@ -248,22 +348,29 @@ ModelWeights load_model_weights(const TensorStore& store, const ModelConfig& c, 
 std::optional<MtpWeights> load_mtp_weights(const TensorStore& store, const ModelConfig& c, MtpStatus& status,
                                            float norm_offset) {
   const int64_t H = c.hidden_size;
-  // Every tensor a dense one-layer head has (spec §1.2: exactly 15).
-  const std::vector<std::string> required = {"mtp.fc.weight",
-                                             "mtp.pre_fc_norm_embedding.weight",
-                                             "mtp.pre_fc_norm_hidden.weight",
-                                             "mtp.norm.weight",
-                                             "mtp.layers.0.input_layernorm.weight",
-                                             "mtp.layers.0.post_attention_layernorm.weight",
-                                             "mtp.layers.0.self_attn.q_proj.weight",
-                                             "mtp.layers.0.self_attn.k_proj.weight",
-                                             "mtp.layers.0.self_attn.v_proj.weight",
-                                             "mtp.layers.0.self_attn.o_proj.weight",
-                                             "mtp.layers.0.self_attn.q_norm.weight",
-                                             "mtp.layers.0.self_attn.k_norm.weight",
-                                             "mtp.layers.0.mlp.gate_proj.weight",
-                                             "mtp.layers.0.mlp.up_proj.weight",
-                                             "mtp.layers.0.mlp.down_proj.weight"};
+  // Every tensor a dense one-layer head has (spec §1.2: exactly 15); a MoE head's layer has the MoE block's
+  // router and shared expert instead of the MLP (its experts, in any layout, are checked by load_moe).
+  std::vector<std::string> required = {"mtp.fc.weight",
+                                       "mtp.pre_fc_norm_embedding.weight",
+                                       "mtp.pre_fc_norm_hidden.weight",
+                                       "mtp.norm.weight",
+                                       "mtp.layers.0.input_layernorm.weight",
+                                       "mtp.layers.0.post_attention_layernorm.weight",
+                                       "mtp.layers.0.self_attn.q_proj.weight",
+                                       "mtp.layers.0.self_attn.k_proj.weight",
+                                       "mtp.layers.0.self_attn.v_proj.weight",
+                                       "mtp.layers.0.self_attn.o_proj.weight",
+                                       "mtp.layers.0.self_attn.q_norm.weight",
+                                       "mtp.layers.0.self_attn.k_norm.weight",
+                                       "mtp.layers.0.mlp.gate_proj.weight",
+                                       "mtp.layers.0.mlp.up_proj.weight",
+                                       "mtp.layers.0.mlp.down_proj.weight"};
+  if (c.is_moe()) {
+    required.resize(required.size() - 3);
+    for (const char* name : {"gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                             "shared_expert.down_proj.weight", "shared_expert_gate.weight"})
+      required.push_back(std::string("mtp.layers.0.mlp.") + name);
+  }
   std::vector<std::string> missing;
   for (const std::string& name : required)
     if (store.find(name) == nullptr) missing.push_back(name);
@@ -293,7 +400,10 @@ std::optional<MtpWeights> load_mtp_weights(const TensorStore& store, const Model
     m.layer.input_norm = r.norm("mtp.layers.0.input_layernorm.weight", H);
     m.layer.post_attn_norm = r.norm("mtp.layers.0.post_attention_layernorm.weight", H);
     m.layer.attention = load_attention(r, "mtp.layers.0.self_attn.", c);
-    m.layer.mlp = load_mlp(r, "mtp.layers.0.mlp.", c);
+    if (c.is_moe())
+      m.layer.moe = load_moe(r, "mtp.layers.0.mlp.", c);
+    else
+      m.layer.mlp = load_mlp(r, "mtp.layers.0.mlp.", H, c.intermediate_size);
     m.matrix_bytes = r.bytes();
     status = {MtpStatus::Kind::kPresent, ""};
     return m;
@@ -349,6 +459,24 @@ AttentionWeights random_attention(const ModelConfig& c, std::mt19937_64& rng, Ma
   return a;
 }
 
+template <typename MakeMatrix>
+MoeWeights random_moe(const ModelConfig& c, MakeMatrix& mat) {
+  const int64_t H = c.hidden_size, I = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
+  MoeWeights m;
+  m.experts_per_token = c.num_experts_per_tok;
+  m.router = mat(c.num_experts, H);
+  m.shared_expert = {mat(Is, H), mat(Is, H), mat(H, Is)};
+  m.shared_expert_gate = mat(1, H);
+  for (int64_t e = 0; e < c.num_experts; ++e) m.experts.push_back({mat(I, H), mat(I, H), mat(H, I)});
+  return m;
+}
+
+int64_t layer_matrix_bytes(const LayerWeights& l) {
+  int64_t bytes = 0;
+  for_each_matrix(l, [&](const cpu::WeightMatrix& w) { bytes += cpu::weight_bytes(w); });
+  return bytes;
+}
+
 }  // namespace
 
 ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, SyntheticStorage& s) {
@@ -385,24 +513,17 @@ ModelWeights make_synthetic_weights(const ModelConfig& c, uint64_t seed, Synthet
       d.norm = random_vector(rng, Dv, 1.0f, 0.1f);
       layer.delta_net = std::move(d);
     }
-    layer.mlp.gate_proj = mat(I, H);
-    layer.mlp.up_proj = mat(I, H);
-    layer.mlp.down_proj = mat(H, I);
+    if (c.is_moe()) {
+      layer.moe = random_moe(c, mat);
+    } else {
+      layer.mlp.gate_proj = mat(I, H);
+      layer.mlp.up_proj = mat(I, H);
+      layer.mlp.down_proj = mat(H, I);
+    }
     w.layers.push_back(std::move(layer));
   }
-  w.matrix_bytes = 0;
-  auto bytes = [](const cpu::WeightMatrix& m) { return m.rows * m.cols * 2; };
-  w.matrix_bytes += bytes(w.embed_tokens) + (w.tied ? 0 : bytes(w.lm_head));
-  for (const LayerWeights& l : w.layers) {
-    if (l.attention)
-      w.matrix_bytes += bytes(l.attention->q_proj) + bytes(l.attention->k_proj) + bytes(l.attention->v_proj) +
-                        bytes(l.attention->o_proj);
-    if (l.delta_net)
-      w.matrix_bytes += bytes(l.delta_net->in_proj_qkv) + bytes(l.delta_net->in_proj_z) +
-                        bytes(l.delta_net->in_proj_b) + bytes(l.delta_net->in_proj_a) +
-                        bytes(l.delta_net->out_proj);
-    w.matrix_bytes += bytes(l.mlp.gate_proj) + bytes(l.mlp.up_proj) + bytes(l.mlp.down_proj);
-  }
+  w.matrix_bytes = cpu::weight_bytes(w.embed_tokens) + (w.tied ? 0 : cpu::weight_bytes(w.lm_head));
+  for (const LayerWeights& l : w.layers) w.matrix_bytes += layer_matrix_bytes(l);
   return w;
 }
 
@@ -422,11 +543,14 @@ MtpWeights make_synthetic_mtp_weights(const ModelConfig& c, uint64_t seed, Synth
   m.layer.input_norm = random_vector(rng, H, 1.0f, 0.1f);
   m.layer.post_attn_norm = random_vector(rng, H, 1.0f, 0.1f);
   m.layer.attention = random_attention(c, rng, mat);
-  m.layer.mlp.gate_proj = mat(I, H);
-  m.layer.mlp.up_proj = mat(I, H);
-  m.layer.mlp.down_proj = mat(H, I);
-  const int64_t D = c.head_dim;
-  m.matrix_bytes = 2 * (H * 2 * H + (c.num_attention_heads * 3 * D + c.num_kv_heads * 2 * D) * H + 3 * I * H);
+  if (c.is_moe()) {
+    m.layer.moe = random_moe(c, mat);
+  } else {
+    m.layer.mlp.gate_proj = mat(I, H);
+    m.layer.mlp.up_proj = mat(I, H);
+    m.layer.mlp.down_proj = mat(H, I);
+  }
+  m.matrix_bytes = cpu::weight_bytes(m.fc) + layer_matrix_bytes(m.layer);
   return m;
 }
 

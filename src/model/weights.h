@@ -52,14 +52,51 @@ struct MlpWeights {
   cpu::WeightMatrix down_proj;  // [H, I]
 };
 
+// A mixture-of-experts MLP (transformers 5.17's Qwen3_5MoeSparseMoeBlock, spec §5): a router picks k of the
+// E experts per token, and a shared expert, scaled by a sigmoid gate, runs on every token. Each expert's
+// matrices are views into the stored tensors, whichever layout holds them (fused [E, 2I, H] / [E, H, I],
+// one tensor per expert, or MLX's stacked switch_mlp): nothing is copied.
+struct MoeWeights {
+  cpu::WeightMatrix router;              // [E, H]  mlp.gate.weight
+  std::vector<MlpWeights> experts;       // [E]  gate/up [I_moe, H], down [H, I_moe]
+  MlpWeights shared_expert;              // gate/up [I_shared, H], down [H, I_shared]
+  cpu::WeightMatrix shared_expert_gate;  // [1, H]
+  int64_t experts_per_token = 0;         // k
+};
+
 struct LayerWeights {
   LayerType type = LayerType::kLinearAttention;
   std::vector<float> input_norm;              // [H]  1 + w
   std::vector<float> post_attn_norm;          // [H]  1 + w
   std::optional<AttentionWeights> attention;  // full-attention layers
   std::optional<DeltaNetWeights> delta_net;   // linear-attention layers
-  MlpWeights mlp;
+  MlpWeights mlp;                             // dense models
+  std::optional<MoeWeights> moe;              // mixture-of-experts models (mlp is then empty)
 };
+
+// Every matrix of one layer that a forward pass multiplies by, the routed experts included.
+template <typename F>
+void for_each_matrix(const LayerWeights& l, F f) {
+  if (l.attention)
+    for (const cpu::WeightMatrix* w :
+         {&l.attention->q_proj, &l.attention->k_proj, &l.attention->v_proj, &l.attention->o_proj})
+      f(*w);
+  if (l.delta_net)
+    for (const cpu::WeightMatrix* w :
+         {&l.delta_net->in_proj_qkv, &l.delta_net->in_proj_z, &l.delta_net->in_proj_b,
+          &l.delta_net->in_proj_a, &l.delta_net->out_proj})
+      f(*w);
+  if (l.moe) {
+    f(l.moe->router);
+    f(l.moe->shared_expert_gate);
+    for (const MlpWeights* m : {&l.moe->shared_expert})
+      for (const cpu::WeightMatrix* w : {&m->gate_proj, &m->up_proj, &m->down_proj}) f(*w);
+    for (const MlpWeights& m : l.moe->experts)
+      for (const cpu::WeightMatrix* w : {&m.gate_proj, &m.up_proj, &m.down_proj}) f(*w);
+  } else {
+    for (const cpu::WeightMatrix* w : {&l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj}) f(*w);
+  }
+}
 
 struct ModelWeights {
   cpu::WeightMatrix embed_tokens;  // [V, H]

@@ -29,11 +29,38 @@ using nlohmann::json;
 
 struct ManifestBuilder {
   const ModelConfig& c;
+  Layout layout;
   std::vector<CheckpointTensor> out;
 
   void add(std::string name, TensorRole role, std::vector<int64_t> shape, bool mtp,
            const cpu::WeightMatrix* matrix = nullptr, const std::vector<float>* values = nullptr) {
-    out.push_back({std::move(name), role, std::move(shape), mtp, matrix, values});
+    out.push_back({std::move(name), role, std::move(shape), mtp, matrix, values, {}});
+  }
+
+  // A stack [E, rows, cols] of one matrix per expert (or two, interleaved, for a fused gate_up_proj).
+  void stack(std::string name, std::vector<int64_t> shape, bool mtp, const MoeWeights* m,
+             std::initializer_list<cpu::WeightMatrix MlpWeights::*> fields) {
+    add(std::move(name), TensorRole::kMatrix, std::move(shape), mtp);
+    if (m != nullptr)
+      for (const MlpWeights& e : m->experts)
+        for (auto field : fields) out.back().parts.push_back(&(e.*field));
+  }
+
+  void moe(const std::string& p, bool mtp, const MoeWeights* m) {
+    const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;
+    add(p + "gate.weight", TensorRole::kMatrix, {E, H}, mtp, m ? &m->router : nullptr);
+    if (layout == Layout::kHuggingFace) {
+      stack(p + "experts.gate_up_proj", {E, 2 * I, H}, mtp, m,
+            {&MlpWeights::gate_proj, &MlpWeights::up_proj});
+      stack(p + "experts.down_proj", {E, H, I}, mtp, m, {&MlpWeights::down_proj});
+    } else {
+      stack(p + "switch_mlp.gate_proj.weight", {E, I, H}, mtp, m, {&MlpWeights::gate_proj});
+      stack(p + "switch_mlp.up_proj.weight", {E, I, H}, mtp, m, {&MlpWeights::up_proj});
+      stack(p + "switch_mlp.down_proj.weight", {E, H, I}, mtp, m, {&MlpWeights::down_proj});
+    }
+    mlp(p + "shared_expert.", mtp, m ? &m->shared_expert : nullptr, c.shared_expert_intermediate_size);
+    add(p + "shared_expert_gate.weight", TensorRole::kMatrix, {1, H}, mtp,
+        m ? &m->shared_expert_gate : nullptr);
   }
 
   void attention(const std::string& p, bool mtp, const AttentionWeights* a) {
@@ -60,8 +87,8 @@ struct ManifestBuilder {
     add(p + "norm.weight", TensorRole::kPlainNorm, {Dv}, false, nullptr, d ? &d->norm : nullptr);
   }
 
-  void mlp(const std::string& p, bool mtp, const MlpWeights* m) {
-    const int64_t H = c.hidden_size, I = c.intermediate_size;
+  void mlp(const std::string& p, bool mtp, const MlpWeights* m, int64_t I) {
+    const int64_t H = c.hidden_size;
     add(p + "gate_proj.weight", TensorRole::kMatrix, {I, H}, mtp, m ? &m->gate_proj : nullptr);
     add(p + "up_proj.weight", TensorRole::kMatrix, {I, H}, mtp, m ? &m->up_proj : nullptr);
     add(p + "down_proj.weight", TensorRole::kMatrix, {H, I}, mtp, m ? &m->down_proj : nullptr);
@@ -76,7 +103,10 @@ struct ManifestBuilder {
       attention(p + "self_attn.", mtp, l ? &*l->attention : nullptr);
     else
       delta_net(p + "linear_attn.", l ? &*l->delta_net : nullptr);
-    mlp(p + "mlp.", mtp, l ? &l->mlp : nullptr);
+    if (c.is_moe())
+      moe(p + "mlp.", mtp, l ? &*l->moe : nullptr);
+    else
+      mlp(p + "mlp.", mtp, l ? &l->mlp : nullptr, c.intermediate_size);
   }
 
   void trunk(const ModelWeights* w) {
@@ -122,11 +152,15 @@ int64_t numel(const std::vector<int64_t>& shape) {
 // does not divide stay bf16, as MLX leaves them.
 int matrix_bits(const CheckpointTensor& t, const QuantSpec& spec) {
   const bool embedding = t.name.find("embed_tokens") != std::string::npos || t.name == "lm_head.weight";
+  // A MoE router and shared-expert gate stay bf16: routing is sensitive (a rounded router logit changes
+  // which experts run), and they are a few thousand weights a layer.
+  const bool routing = t.name.ends_with("mlp.gate.weight") || t.name.ends_with("shared_expert_gate.weight");
   const int bits = t.name == "mtp.fc.weight"          ? spec.mtp_fc_bits
                    : embedding && spec.embed_bits > 0 ? spec.embed_bits
+                   : routing                          ? 16
                                                       : spec.bits;
   if (bits >= 16) return 16;
-  const int64_t cols = t.shape[1];
+  const int64_t cols = t.shape.back();
   if (cols % spec.group_size != 0 || (cols * bits) % 32 != 0) return 16;
   return bits;
 }
@@ -151,12 +185,24 @@ class RandomSource {
   uint64_t seed_;
 };
 
+// A matrix tensor's columns and rows ([E, rows, cols] stacks count E * rows rows).
+int64_t matrix_cols(const CheckpointTensor& t) { return t.shape.back(); }
+int64_t matrix_rows_total(const CheckpointTensor& t) { return numel(t.shape) / t.shape.back(); }
+
 // Rows [r0, r0 + n) of a matrix tensor as float32.
 void matrix_rows(const CheckpointTensor& t, uint64_t seed, int64_t r0, int64_t n, float* out) {
-  const int64_t cols = t.shape[1];
+  const int64_t cols = matrix_cols(t);
   if (t.matrix != nullptr) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; ++r) cpu::weight_row_to_f32(*t.matrix, r0 + r, out + r * cols);
+    return;
+  }
+  if (!t.parts.empty()) {
+    const int64_t part_rows = t.parts[0]->rows;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; ++r)
+      cpu::weight_row_to_f32(*t.parts[static_cast<size_t>((r0 + r) / part_rows)], (r0 + r) % part_rows,
+                             out + r * cols);
     return;
   }
   // Random: embeddings ~ N(0, 1), linear layers ~ N(0, 1/cols) (unit-variance activations), like the
@@ -212,7 +258,7 @@ std::vector<std::byte> bf16_bytes(const float* v, int64_t n) {
 int64_t encoded_bytes(const CheckpointTensor& t, const QuantSpec& spec) {
   if (t.role != TensorRole::kMatrix) return numel(t.shape) * 2;
   const int bits = matrix_bits(t, spec);
-  const int64_t rows = t.shape[0], cols = t.shape[1];
+  const int64_t rows = matrix_rows_total(t), cols = matrix_cols(t);
   if (bits == 16) return rows * cols * 2;
   return rows * cols * bits / 8 + 2 * rows * (cols / spec.group_size) * 2;
 }
@@ -230,8 +276,14 @@ std::vector<Encoded> encode(const CheckpointTensor& t, const WriteOptions& o) {
     out.push_back({name, DType::kBF16, shape, bf16_bytes(v.data(), static_cast<int64_t>(v.size()))});
     return out;
   }
-  const int64_t rows = t.shape[0], cols = t.shape[1];
+  const int64_t rows = matrix_rows_total(t), cols = matrix_cols(t);
   const int bits = matrix_bits(t, o.quant);
+  // A stack's codes, scales and biases keep its leading expert dimension.
+  auto shaped = [&](int64_t last) {
+    std::vector<int64_t> shape = t.shape;
+    shape.back() = last;
+    return shape;
+  };
   if (bits == 16 && t.matrix != nullptr && t.matrix->type == cpu::WeightType::kBF16) {
     const auto* src = static_cast<const std::byte*>(t.matrix->data);
     out.push_back({name, DType::kBF16, t.shape, std::vector<std::byte>(src, src + rows * cols * 2)});
@@ -254,34 +306,36 @@ std::vector<Encoded> encode(const CheckpointTensor& t, const WriteOptions& o) {
   }
   const int64_t words = cols * bits / 32, groups = cols / o.quant.group_size;
   // Column weights from calibration: E[x_k^2] plus 1% of their mean, so that no column's error is ignored
-  // (an input the calibration text never excited still gets a sensible fit).
-  std::vector<float> importance;
-  if (o.importance != nullptr && t.matrix != nullptr) importance = o.importance->mean_squares(*t.matrix);
-  if (static_cast<int64_t>(importance.size()) == cols) {
+  // (an input the calibration text never excited still gets a sensible fit). A stack's experts each have
+  // their own inputs, so a stack is fitted one expert's rows at a time.
+  auto column_weights = [&](const cpu::WeightMatrix* m) {
+    std::vector<float> importance;
+    if (o.importance != nullptr && m != nullptr) importance = o.importance->mean_squares(*m);
+    if (static_cast<int64_t>(importance.size()) != cols) return std::vector<float>{};
     double mean = 0;
     for (float v : importance) mean += v;
     mean /= static_cast<double>(cols);
     for (float& v : importance) v += static_cast<float>(0.01 * mean);
-  } else {
-    importance.clear();
-  }
+    return importance;
+  };
+  const bool per_part = !t.parts.empty() && o.quant.method == QuantMethod::kLeastSquares;
+  const int64_t quant_block = per_part ? t.parts[0]->rows : block;
+  if (quant_block > block) f32.resize(static_cast<size_t>(quant_block * cols));
+  std::vector<float> importance = per_part ? std::vector<float>{} : column_weights(t.matrix);
   const std::string base = name.substr(0, name.size() - std::string(".weight").size());
-  Encoded codes{
-      name, DType::kU32, {rows, words}, std::vector<std::byte>(static_cast<size_t>(rows * words * 4))};
-  Encoded scales{base + ".scales",
-                 DType::kBF16,
-                 {rows, groups},
+  Encoded codes{name, DType::kU32, shaped(words),
+                std::vector<std::byte>(static_cast<size_t>(rows * words * 4))};
+  Encoded scales{base + ".scales", DType::kBF16, shaped(groups),
                  std::vector<std::byte>(static_cast<size_t>(rows * groups * 2))};
-  Encoded biases{base + ".biases",
-                 DType::kBF16,
-                 {rows, groups},
+  Encoded biases{base + ".biases", DType::kBF16, shaped(groups),
                  std::vector<std::byte>(static_cast<size_t>(rows * groups * 2))};
-  std::vector<float> s(static_cast<size_t>(std::min(block, rows) * groups)), b(s.size());
+  std::vector<float> s(static_cast<size_t>(std::min(quant_block, rows) * groups)), b(s.size());
   auto* scale_out = reinterpret_cast<uint16_t*>(scales.bytes.data());
   auto* bias_out = reinterpret_cast<uint16_t*>(biases.bytes.data());
-  for (int64_t r0 = 0; r0 < rows; r0 += block) {
-    const int64_t n = std::min(block, rows - r0);
+  for (int64_t r0 = 0; r0 < rows; r0 += quant_block) {
+    const int64_t n = std::min(quant_block, rows - r0);
     matrix_rows(t, o.seed, r0, n, f32.data());
+    if (per_part) importance = column_weights(t.parts[static_cast<size_t>(r0 / quant_block)]);
     // Scales and biases are stored in bf16, as MLX stores them for a bf16 model.
     uint32_t* block_codes = reinterpret_cast<uint32_t*>(codes.bytes.data()) + r0 * words;
     if (o.quant.method == QuantMethod::kLeastSquares)
@@ -302,16 +356,16 @@ std::vector<Encoded> encode(const CheckpointTensor& t, const WriteOptions& o) {
 
 }  // namespace
 
-std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, bool with_mtp) {
-  ManifestBuilder b{config, {}};
+std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, bool with_mtp, Layout layout) {
+  ManifestBuilder b{config, layout, {}};
   b.trunk(nullptr);
   if (with_mtp) b.head(nullptr);
   return b.out;
 }
 
 std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, const ModelWeights& weights,
-                                                  const MtpWeights* mtp) {
-  ManifestBuilder b{config, {}};
+                                                  const MtpWeights* mtp, Layout layout) {
+  ManifestBuilder b{config, layout, {}};
   b.trunk(&weights);
   if (mtp != nullptr) b.head(mtp);
   return b.out;
@@ -322,10 +376,9 @@ json config_json(const ModelConfig& c, const WriteOptions& o) {
   for (LayerType t : c.layer_types)
     layer_types.push_back(t == LayerType::kFullAttention ? "full_attention" : "linear_attention");
   json text = {
-      {"model_type", "qwen3_5_text"},
+      {"model_type", c.is_moe() ? "qwen3_5_moe_text" : "qwen3_5_text"},
       {"vocab_size", c.vocab_size},
       {"hidden_size", c.hidden_size},
-      {"intermediate_size", c.intermediate_size},
       {"num_hidden_layers", c.num_layers},
       {"num_attention_heads", c.num_attention_heads},
       {"num_key_value_heads", c.num_kv_heads},
@@ -349,9 +402,18 @@ json config_json(const ModelConfig& c, const WriteOptions& o) {
       {"tie_word_embeddings", c.tie_word_embeddings},
       {"dtype", "bfloat16"},
   };
+  if (c.is_moe()) {
+    text["num_experts"] = c.num_experts;
+    text["num_experts_per_tok"] = c.num_experts_per_tok;
+    text["moe_intermediate_size"] = c.moe_intermediate_size;
+    text["shared_expert_intermediate_size"] = c.shared_expert_intermediate_size;
+  } else {
+    text["intermediate_size"] = c.intermediate_size;
+  }
   if (!c.eos_token_ids.empty()) text["eos_token_id"] = c.eos_token_ids;
-  json root = {{"architectures", {"Qwen3_5ForConditionalGeneration"}},
-               {"model_type", "qwen3_5"},
+  json root = {{"architectures",
+                {c.is_moe() ? "Qwen3_5MoeForConditionalGeneration" : "Qwen3_5ForConditionalGeneration"}},
+               {"model_type", c.is_moe() ? "qwen3_5_moe" : "qwen3_5"},
                {"tie_word_embeddings", c.tie_word_embeddings},
                {"text_config", text}};
   if (o.quant.bits < 16) {

@@ -40,19 +40,27 @@ enum class TensorRole {
 struct CheckpointTensor {
   std::string name;  // e.g. "model.language_model.layers.0.mlp.up_proj.weight", "mtp.fc.weight"
   TensorRole role = TensorRole::kMatrix;
-  std::vector<int64_t> shape;  // Hugging Face shape
+  std::vector<int64_t> shape;  // Hugging Face shape ([E, rows, cols] for a stack of experts)
   bool mtp = false;            // part of the MTP head
   // Where the values come from: a matrix of a loaded model, an engine-convention float vector, or
-  // (both null) random values for a synthetic checkpoint.
+  // (all null) random values for a synthetic checkpoint.
   const cpu::WeightMatrix* matrix = nullptr;
   const std::vector<float>* values = nullptr;
+  // A stack of experts' matrices (shape [E, rows, cols]): the matrices whose rows it holds, in order (a
+  // fused gate_up_proj holds gate_0, up_0, gate_1, up_1, ...); empty for a random stack.
+  std::vector<const cpu::WeightMatrix*> parts;
 };
 
-// Every tensor of `config`'s model (trunk, then head when `with_mtp`), random sources.
-std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, bool with_mtp);
+// Every tensor of `config`'s model (trunk, then head when `with_mtp`), random sources. A mixture-of-experts
+// model's experts are stacked as `layout` stores them: fused experts.gate_up_proj [E, 2I, H] and
+// experts.down_proj [E, H, I] (the official releases' layout) for Hugging Face,
+// switch_mlp.{gate,up,down}_proj [E, out, in] for MLX.
+std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, bool with_mtp,
+                                                  Layout layout = Layout::kHuggingFace);
 // The same manifest with each entry pointing at the loaded weights (mtp may be null: no head).
 std::vector<CheckpointTensor> checkpoint_manifest(const ModelConfig& config, const ModelWeights& weights,
-                                                  const MtpWeights* mtp);
+                                                  const MtpWeights* mtp,
+                                                  Layout layout = Layout::kHuggingFace);
 
 // How affine scales and biases are chosen (the stored layout is MLX's either way).
 enum class QuantMethod {

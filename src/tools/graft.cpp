@@ -45,6 +45,12 @@ void check_compatible(const Model& trunk, const Model& donor) {
   same("num_key_value_heads", a.num_kv_heads, b.num_kv_heads);
   same("head_dim", a.head_dim, b.head_dim);
   same("intermediate_size", a.intermediate_size, b.intermediate_size);
+  // A MoE head's layer is a MoE block of the trunk's geometry: a dense head cannot serve a MoE trunk.
+  same("num_experts", a.num_experts, b.num_experts);
+  same("num_experts_per_tok", a.num_experts_per_tok, b.num_experts_per_tok);
+  same("moe_intermediate_size", a.moe_intermediate_size, b.moe_intermediate_size);
+  same("shared_expert_intermediate_size", a.shared_expert_intermediate_size,
+       b.shared_expert_intermediate_size);
   // Quantization layout: the head's layers against the trunk's full-attention layers.
   const LayerWeights* trunk_attention = nullptr;
   for (const LayerWeights& l : trunk.weights().layers)

@@ -21,6 +21,8 @@ using nlohmann::json;
 // Which part of the model a tensor belongs to, by name.
 std::string component_of(const std::string& name) {
   if (name.rfind("mtp.", 0) == 0) return "mtp_head";
+  if (name.find(".mlp.experts.") != std::string::npos || name.find(".mlp.switch_mlp.") != std::string::npos)
+    return "routed experts";
   if (name.find("visual") != std::string::npos || name.find("vision") != std::string::npos)
     return "vision (ignored)";
   if (name.find("embed_tokens") != std::string::npos || name.find("lm_head") != std::string::npos)
@@ -54,11 +56,13 @@ json tally_tensors(const TensorStore& store, const json& config_root) {
     if (t->dtype == DType::kU32 && name.ends_with(".weight")) {
       const std::string base = name.substr(0, name.size() - 7);
       const TensorView* scales = store.find(base + ".scales");
-      if (scales != nullptr && scales->shape.size() == 2 && t->shape.size() == 2) {
-        const int64_t cols = scales->shape[1] * default_group;
-        const int64_t bits = cols > 0 ? t->shape[1] * 32 / cols : 0;
-        c.parameters += t->shape[0] * cols;
-        c.storage[fmt::format("affine {}-bit g{}", bits, default_group)] += t->shape[0] * cols;
+      // [rows, words] or a stack of experts [E, rows, words], with scales [.., groups].
+      if (scales != nullptr && scales->shape.size() == t->shape.size() && t->shape.size() >= 2) {
+        const int64_t cols = scales->shape.back() * default_group;
+        const int64_t bits = cols > 0 ? t->shape.back() * 32 / cols : 0;
+        const int64_t rows = t->numel() / t->shape.back();
+        c.parameters += rows * cols;
+        c.storage[fmt::format("affine {}-bit g{}", bits, default_group)] += rows * cols;
         continue;
       }
     }
@@ -112,6 +116,27 @@ json tokenizer_summary(const std::filesystem::path& dir) {
   return out;
 }
 
+// Parameters and bytes of the routed experts of a MoE model's layers (each expert counted once), and what
+// one token reads of them (k of E experts per layer).
+struct ExpertTally {
+  int64_t parameters = 0, bytes = 0;
+  double active_parameters = 0, active_bytes = 0;
+  void add(const LayerWeights& l) {
+    if (!l.moe) return;
+    int64_t layer_parameters = 0, layer_bytes = 0;
+    for (const MlpWeights& e : l.moe->experts)
+      for (const cpu::WeightMatrix* w : {&e.gate_proj, &e.up_proj, &e.down_proj}) {
+        layer_parameters += w->rows * w->cols;
+        layer_bytes += cpu::weight_bytes(*w);
+      }
+    const double share =
+        static_cast<double>(l.moe->experts_per_token) / static_cast<double>(l.moe->experts.size());
+    parameters += layer_parameters, bytes += layer_bytes;
+    active_parameters += share * static_cast<double>(layer_parameters);
+    active_bytes += share * static_cast<double>(layer_bytes);
+  }
+};
+
 std::string human_bytes(double b) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;
@@ -162,6 +187,11 @@ json inspect_model(const std::filesystem::path& dir, const InspectOptions& o) {
                      {"linear_value_heads", c.linear_num_value_heads},
                      {"linear_head_dims", {c.linear_key_head_dim, c.linear_value_head_dim}},
                      {"max_position_embeddings", c.max_position_embeddings}};
+  if (c.is_moe())
+    report["shape"]["experts"] = {{"routed", c.num_experts},
+                                  {"per_token", c.num_experts_per_tok},
+                                  {"intermediate_size", c.moe_intermediate_size},
+                                  {"shared_intermediate_size", c.shared_expert_intermediate_size}};
   if (config_root.contains("quantization")) report["quantization"] = config_root["quantization"];
 
   auto store = std::make_unique<TensorStore>(TensorStore::open_directory(dir));
@@ -178,6 +208,22 @@ json inspect_model(const std::filesystem::path& dir, const InspectOptions& o) {
   const ModelWeights w = load_model_weights(*store, c, convention.norm_offset);
   const int64_t matrix_bytes = w.matrix_bytes;
   report["tied_embeddings"] = w.tied;
+  // What a decode token reads: every matrix but the embedding (one row of it), and of a MoE model's routed
+  // experts only its k per layer.
+  ExpertTally experts;
+  for (const LayerWeights& l : w.layers) experts.add(l);
+  int64_t matrix_parameters = w.lm_head.rows * w.lm_head.cols;
+  for (const LayerWeights& l : w.layers)
+    for_each_matrix(l, [&](const cpu::WeightMatrix& m) { matrix_parameters += m.rows * m.cols; });
+  const int64_t embed_bytes = w.tied ? 0 : cpu::weight_bytes(w.embed_tokens);
+  const double active_bytes =
+      static_cast<double>(matrix_bytes - embed_bytes - experts.bytes) + experts.active_bytes;
+  const double active_parameters =
+      static_cast<double>(matrix_parameters - experts.parameters) + experts.active_parameters;
+  report["per_token"] = {{"parameters", static_cast<int64_t>(active_parameters)},
+                         {"bytes", static_cast<int64_t>(active_bytes)}};
+  if (c.is_moe())
+    report["per_token"]["routed_expert_parameters"] = static_cast<int64_t>(experts.active_parameters);
 
   MtpStatus status;
   const std::optional<MtpWeights> head = load_mtp_weights(*store, c, status, convention.norm_offset);
@@ -229,6 +275,17 @@ json inspect_model(const std::filesystem::path& dir, const InspectOptions& o) {
   if (!non_finite_reason.empty()) {
     report["can_run"] = false;
     report["reason"] = non_finite_reason;
+  } else if (available > 0 && total > available && c.is_moe() &&
+             static_cast<int64_t>(active_bytes) + state + scratch < available) {
+    // Each token reads its k experts per layer: from the mapped files, the experts a text routes to stay in
+    // the page cache and the others are read from disk when first routed to.
+    report["can_run"] = true;
+    report["memory"]["pages_experts_from_disk"] = true;
+    report["reason"] = fmt::format(
+        "the weights ({}) exceed the available memory ({}): runs from the mapped files, routed experts paged "
+        "in from disk as tokens reach them (a token reads {}); slower until the experts in use are cached",
+        human_bytes(static_cast<double>(weight_bytes)), human_bytes(static_cast<double>(available)),
+        human_bytes(active_bytes));
   } else if (available > 0 && total > available) {
     report["can_run"] = false;
     report["reason"] =
@@ -253,12 +310,24 @@ std::string render_inspect_report(const json& r) {
   const json& sh = r["shape"];
   s << fmt::format("arch       {} ({} layout, norms stored as {})\n", r.value("architecture", ""),
                    r.value("layout", "?"), r.value("norms_stored_as", "?"));
+  const int64_t intermediate = sh["intermediate_size"].get<int64_t>();
   s << fmt::format(
-      "shape      hidden {}, {} layers ({} linear + {} full attention), intermediate {}, vocab {}\n",
+      "shape      hidden {}, {} layers ({} linear + {} full attention), {}, vocab {}\n",
       sh["hidden_size"].get<int64_t>(), sh["layers"].get<int64_t>(),
       sh["layer_types"]["linear_attention"].get<int64_t>(),
-      sh["layer_types"]["full_attention"].get<int64_t>(), sh["intermediate_size"].get<int64_t>(),
+      sh["layer_types"]["full_attention"].get<int64_t>(),
+      intermediate > 0 ? fmt::format("intermediate {}", intermediate) : std::string("mixture of experts"),
       sh["vocab_size"].get<int64_t>());
+  if (sh.contains("experts")) {
+    const json& e = sh["experts"];
+    s << fmt::format("experts    {} routed of size {}, {} per token, plus a shared expert of size {}\n",
+                     e["routed"].get<int64_t>(), e["intermediate_size"].get<int64_t>(),
+                     e["per_token"].get<int64_t>(), e["shared_intermediate_size"].get<int64_t>());
+  }
+  if (r.contains("per_token"))
+    s << fmt::format("per token  {} parameters active, {} of weights read per decoded token\n",
+                     human_count(r["per_token"]["parameters"].get<double>()),
+                     human_bytes(r["per_token"]["bytes"].get<double>()));
   s << fmt::format(
       "attention  {} q heads / {} kv heads of {}; DeltaNet {} k / {} v heads; tied embeddings: {}\n",
       sh["attention_heads"].get<int64_t>(), sh["kv_heads"].get<int64_t>(), sh["head_dim"].get<int64_t>(),

@@ -68,8 +68,10 @@ json quantize_model(const fs::path& model_dir, const fs::path& out, const Quanti
   std::error_code ec;
   if (fs::exists(out) && fs::equivalent(out, model_dir, ec)) invalid_input("--out must differ from --model");
   bool requantized = false;
-  for (const auto& t : checkpoint_manifest(model->config(), model->weights(), model->mtp()))
+  for (const auto& t : checkpoint_manifest(model->config(), model->weights(), model->mtp(), Layout::kMlx)) {
     if (t.matrix != nullptr && t.matrix->type == cpu::WeightType::kAffine) requantized = true;
+    for (const cpu::WeightMatrix* part : t.parts) requantized |= part->type == cpu::WeightType::kAffine;
+  }
   if (requantized)
     std::fprintf(stderr,
                  "warning: '%s' is already quantized; its weights are dequantized and quantized again\n",
@@ -89,7 +91,7 @@ json quantize_model(const fs::path& model_dir, const fs::path& out, const Quanti
   w.progress = o.progress;
   AtomicDirectory staging(out, o.force);
   const int64_t bytes = write_checkpoint_tensors(
-      staging.path(), checkpoint_manifest(model->config(), model->weights(), model->mtp()), w);
+      staging.path(), checkpoint_manifest(model->config(), model->weights(), model->mtp(), Layout::kMlx), w);
   // config.json: the original, with MLX's quantization entries (per-module override for mtp.fc).
   json config = read_json_file(model_dir / "config.json");
   const json generated = config_json(model->config(), w);
