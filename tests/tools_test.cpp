@@ -414,5 +414,87 @@ TEST(Tools, QuantizeKeepsTheHeadAndGreedyMtpStaysLossless) {
     EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
 }
 
+// A mixture-of-experts shape through every tool: synth writes the official layout (fused experts) or MLX's
+// (stacked switch_mlp, quantized, router and shared-expert gate bf16), quantize writes MLX's from a
+// Hugging Face checkpoint with its experts quantized one expert at a time, inspect reports the experts and
+// what a token reads, bench and tune report the distinct experts a pass reads, and greedy MTP stays
+// lossless on every form.
+TEST(Tools, MixtureOfExpertsCheckpointsThroughEveryTool) {
+  TempDir dir;
+  const fs::path hf = dir.path() / "moe", mlx = dir.path() / "moe4", quantized = dir.path() / "moe_q4";
+  ASSERT_EQ(run("synth --shape tiny-moe --mtp --out " + hf.string()).code, 0);
+  const json config = read_json_file(hf / "config.json");
+  EXPECT_EQ(config["architectures"][0], "Qwen3_5MoeForConditionalGeneration");
+  EXPECT_EQ(config["text_config"]["num_experts"], 16);
+  EXPECT_FALSE(config["text_config"].contains("intermediate_size"));
+  {
+    SafetensorsFile file(hf / "model.safetensors");
+    const TensorView* fused = file.find("model.language_model.layers.0.mlp.experts.gate_up_proj");
+    ASSERT_NE(fused, nullptr);
+    EXPECT_EQ(fused->shape, (std::vector<int64_t>{16, 256, 256}));
+    EXPECT_EQ(file.find("mtp.layers.0.mlp.experts.down_proj")->shape, (std::vector<int64_t>{16, 256, 128}));
+  }
+  ASSERT_EQ(run("synth --shape tiny-moe --bits 4 --mtp --out " + mlx.string()).code, 0);
+  ASSERT_EQ(run("quantize --model " + hf.string() + " --out " + quantized.string() + " --bits 4").code, 0);
+  for (const fs::path& q : {mlx, quantized}) {
+    SafetensorsFile file(q / "model.safetensors");
+    const TensorView* gate = file.find("language_model.model.layers.1.mlp.switch_mlp.gate_proj.weight");
+    ASSERT_NE(gate, nullptr) << q;
+    EXPECT_EQ(gate->dtype, DType::kU32);
+    EXPECT_EQ(gate->shape, (std::vector<int64_t>{16, 128, 256 * 4 / 32}));
+    EXPECT_EQ(file.find("language_model.model.layers.1.mlp.switch_mlp.gate_proj.scales")->shape,
+              (std::vector<int64_t>{16, 128, 4}));
+    EXPECT_EQ(file.find("language_model.model.layers.1.mlp.gate.weight")->dtype, DType::kBF16);
+    EXPECT_EQ(file.find("language_model.model.layers.1.mlp.shared_expert_gate.weight")->dtype, DType::kBF16);
+    EXPECT_EQ(file.find("mtp.layers.0.mlp.switch_mlp.up_proj.weight")->dtype, DType::kU32);
+  }
+  for (const fs::path& m : {hf, mlx, quantized}) {
+    const json r = run_json("inspect " + m.string() + " --json");
+    EXPECT_EQ(r["shape"]["experts"]["routed"], 16) << m;
+    EXPECT_EQ(r["shape"]["experts"]["per_token"], 4) << m;
+    EXPECT_EQ(r["mtp"]["status"], "present") << m;
+    ASSERT_TRUE(r["components"].contains("routed experts")) << r["components"].dump();
+    // A token reads a quarter of the routed experts: fewer parameters than the matrices hold.
+    const int64_t routed = r["components"]["routed experts"]["parameters"].get<int64_t>();
+    EXPECT_EQ(routed, 4 * 16 * 3 * 128 * 256) << m;  // 4 layers, 16 experts of 3 [128, 256] matrices
+    EXPECT_EQ(r["per_token"]["routed_expert_parameters"].get<int64_t>(), routed / 4) << m;
+    const std::string gen = "generate --model " + m.string() + " --prompt-ids 3,4,5,6 --max-tokens 12 --json";
+    const json plain = run_json(gen);
+    EXPECT_EQ(plain["stats"]["experts"]["per_layer_decode_pass"].get<double>(), 4.0);
+    for (const char* k : {"1", "3"}) {
+      const json spec = run_json(gen + " --mtp --draft " + k);
+      EXPECT_EQ(plain["tokens"], spec["tokens"]) << m << " K=" << k;
+      EXPECT_GE(spec["stats"]["experts"]["per_layer_decode_pass"].get<double>(), 4.0);
+    }
+  }
+  // bench reports the experts a verify pass reads: more than a decode row's 4 when the window's rows route
+  // apart (random weights route nearly uniformly).
+  const json b =
+      run_json("bench --model " + hf.string() +
+               " --prompt-ids 1,2,3 --max-tokens 16 --runs 1 --draft 3 --synthetic-acceptance 1 --json");
+  ASSERT_EQ(b["results"].size(), 2u);
+  EXPECT_DOUBLE_EQ(b["results"][0]["experts_per_layer_pass"].get<double>(), 4.0);
+  EXPECT_GT(b["results"][1]["experts_per_layer_pass"].get<double>(), 4.0);
+  EXPECT_LE(b["results"][1]["experts_per_layer_pass"].get<double>(), 16.0);
+  const json t =
+      run_json("tune --model " + hf.string() + " --max-draft 1 --max-tokens 8 --runs 1 --margin 0 --json");
+  ASSERT_FALSE(t["evidence"].empty());
+  EXPECT_TRUE(t["evidence"][0].contains("experts_per_layer_pass")) << t.dump();
+}
+
+// --layers: a reduced-depth model of a shape (the MoE shapes do not fit smaller machines whole).
+TEST(Tools, SynthWritesAReducedDepthShape) {
+  TempDir dir;
+  const fs::path out = dir.path() / "shallow";
+  ASSERT_EQ(run("synth --shape tiny-moe --layers 2 --out " + out.string()).code, 0);
+  const json config = read_json_file(out / "config.json");
+  EXPECT_EQ(config["text_config"]["num_hidden_layers"], 2);
+  EXPECT_EQ(config["text_config"]["layer_types"].size(), 2u);
+  EXPECT_EQ(run_json("inspect " + out.string() + " --json")["shape"]["layers"], 2);
+  expect_usage_error("synth --shape tiny-moe --layers 5 --out " + (dir.path() / "deep").string(), "--layers");
+  expect_usage_error("synth --shape 35B-A3B --layers 0 --out " + (dir.path() / "none").string(), "--layers");
+  EXPECT_FALSE(fs::exists(dir.path() / "deep"));
+}
+
 }  // namespace
 }  // namespace mtpx

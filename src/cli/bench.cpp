@@ -92,6 +92,9 @@ int run_bench_command(const BenchFlags& f) {
       row["acceptance_by_position"] = r.acceptance_by_position;
       row["tokens_per_step"] = r.tokens_per_step;
     }
+    // A MoE trunk: the distinct experts a decode pass reads per layer (k for one row; a verify window of
+    // K+1 rows reads up to (K+1) k, and that is its cost over a decode step).
+    if (r.decode_experts.blocks > 0) row["experts_per_layer_pass"] = r.decode_experts.experts_per_block();
     rows.push_back(row);
   }
   nlohmann::json report = {
@@ -135,6 +138,17 @@ int run_bench_command(const BenchFlags& f) {
         row.contains("tokens_per_step") ? fmt::format("{:.2f}", row["tokens_per_step"].get<double>())
                                         : "1.00");
   }
+  std::string experts;
+  for (const auto& row : rows)
+    if (row.contains("experts_per_layer_pass"))
+      experts +=
+          fmt::format("{}{} {:.1f}", experts.empty() ? "" : ", ",
+                      row["draft"].get<int64_t>() > 0 ? fmt::format("K={}", row["draft"].get<int64_t>())
+                                                      : std::string("plain"),
+                      row["experts_per_layer_pass"].get<double>());
+  if (!experts.empty())
+    fmt::print("distinct experts read per layer and decode pass ({} per token): {}\n",
+               model->config().num_experts_per_tok, experts);
   fmt::print("peak memory {:.1f} MiB{}\n", static_cast<double>(peak_rss_bytes()) / (1 << 20),
              device_memory_text(*model));
   return 0;

@@ -54,6 +54,10 @@ nlohmann::json result_json(const GenerateResult& r, const std::string& text, con
                           {"decode_tok_s", r.stats.decode_tok_s()},
                           {"peak_rss_bytes", peak_rss_bytes()}};
   if (r.stats.mtp.draft > 0) stats["mtp"] = mtp_json(r.stats.mtp);
+  if (r.stats.decode_experts.blocks > 0)
+    stats["experts"] = {{"per_token", model.config().num_experts_per_tok},
+                        {"per_layer_decode_pass", r.stats.decode_experts.experts_per_block()},
+                        {"max_per_layer_decode_pass", r.stats.decode_experts.max_per_block}};
   stats.update(device_memory_json(model));
   return {{"tokens", r.tokens}, {"text", text}, {"finish_reason", r.finish_reason}, {"stats", stats}};
 }

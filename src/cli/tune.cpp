@@ -73,6 +73,14 @@ int run_tune(TuneFlags f) {
         e["speedup"].get<double>(), by_position,
         e.contains("tokens_per_step") ? fmt::format("{:.2f}", e["tokens_per_step"].get<double>()) : "1.00");
   }
+  std::string experts;
+  for (const auto& e : profile["evidence"])
+    if (e.contains("experts_per_layer_pass") && e.value("draft_vocab", int64_t{0}) == 0)
+      experts += fmt::format("{}{} {:.1f}", experts.empty() ? "" : ", ",
+                             e["draft"].get<int64_t>() > 0 ? fmt::format("K={}", e["draft"].get<int64_t>())
+                                                           : std::string("plain"),
+                             e["experts_per_layer_pass"].get<double>());
+  if (!experts.empty()) fmt::print("distinct experts read per layer and decode pass: {}\n", experts);
   fmt::print("recommendation: {}\nprofile: {}\nchart:   {}\n", profile["recommendation"].get<std::string>(),
              path.string(), svg.string());
   return 0;

@@ -56,6 +56,7 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
   };
   int32_t token = next();
   result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  const ExpertTraffic prompt_experts = state.expert_traffic();
 
   auto t1 = Clock::now();
   while (true) {
@@ -77,6 +78,7 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
   }
   result.stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   result.stats.generated_tokens = static_cast<int64_t>(result.tokens.size());
+  result.stats.decode_experts = traffic_since(state.expert_traffic(), prompt_experts);
   return result;
 }
 

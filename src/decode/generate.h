@@ -62,6 +62,9 @@ struct MtpStats {
 };
 
 struct GenerateStats {
+  // A mixture-of-experts trunk: the distinct experts the decode passes (not the prompt's) read per MoE
+  // block: k per plain decode row, more for a verify window whose rows route apart.
+  ExpertTraffic decode_experts;
   int64_t prompt_tokens = 0;
   int64_t generated_tokens = 0;
   double prefill_seconds = 0.0;  // prompt forward pass (includes the first sampled token)

@@ -245,6 +245,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
                 draft_argmax, draft_request);
   }
   result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  const ExpertTraffic prompt_experts = state.expert_traffic();
 
   auto t1 = Clock::now();
   bool going = emit(last);
@@ -316,6 +317,7 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   result.stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   result.stats.decode_steps = result.stats.mtp.steps;
   result.stats.generated_tokens = static_cast<int64_t>(result.tokens.size());
+  result.stats.decode_experts = traffic_since(state.expert_traffic(), prompt_experts);
   return result;
 }
 

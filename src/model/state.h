@@ -50,7 +50,16 @@ struct ExpertTraffic {
   int64_t rows = 0;           // rows over those calls
   int64_t expert_reads = 0;   // distinct experts, summed over the calls
   int64_t max_per_block = 0;  // the most distinct experts one call read
+  double experts_per_block() const {
+    return blocks > 0 ? static_cast<double>(expert_reads) / static_cast<double>(blocks) : 0.0;
+  }
 };
+
+// The traffic counted after `before` was taken (max_per_block: over the whole count).
+inline ExpertTraffic traffic_since(const ExpertTraffic& now, const ExpertTraffic& before) {
+  return {now.blocks - before.blocks, now.rows - before.rows, now.expert_reads - before.expert_reads,
+          now.max_per_block};
+}
 
 // A sequence's state held by a device executor (model/device.h); opaque here.
 class DeviceSequence {

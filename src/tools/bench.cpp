@@ -101,6 +101,10 @@ std::vector<BenchResult> run_bench(const Model& model, const BenchProtocol& p,
           r.draws_below += g.stats.draws_below;
           r.logit_rows_fetched += g.stats.logit_rows_fetched;
           r.logit_values_fetched += g.stats.logit_values_fetched;
+          const ExpertTraffic& e = g.stats.decode_experts;
+          r.decode_experts.blocks += e.blocks, r.decode_experts.rows += e.rows;
+          r.decode_experts.expert_reads += e.expert_reads;
+          r.decode_experts.max_per_block = std::max(r.decode_experts.max_per_block, e.max_per_block);
         }
       }
       r.tok_s.push_back(seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);

@@ -43,6 +43,7 @@ struct BenchResult {
   int64_t logit_rows_fetched = 0;    // likewise (GenerateStats::logit_rows_fetched)
   int64_t logit_values_fetched = 0;  // likewise (GenerateStats::logit_values_fetched)
   double tokens_per_step = 1.0;      // generated tokens per forward pass of the trunk (decode phase)
+  ExpertTraffic decode_experts;      // a MoE trunk's decode passes, first run (GenerateStats)
   std::vector<double> acceptance_by_position;
 };
 

@@ -56,6 +56,8 @@ json tune_draft_depth(const Model& model, const std::vector<std::vector<int32_t>
       if (r.median_tok_s > best_rate)
         best = r.spec.draft, best_vocab = r.spec.draft_vocab, best_rate = r.median_tok_s;
     }
+    // MoE: what a pass of K+1 rows reads (c(K) grows with the distinct experts, not only with the rows).
+    if (r.decode_experts.blocks > 0) e["experts_per_layer_pass"] = r.decode_experts.experts_per_block();
     evidence.push_back(e);
   }
   const bool worth_it = best_rate >= plain * (1.0 + o.margin);
