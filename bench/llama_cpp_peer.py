@@ -186,8 +186,15 @@ def cmd_report(args) -> int:
                 key = f"pp{e.get('n_prompt')}+tg{e.get('n_gen')}"
             row[key] = {"avg_ts": e.get("avg_ts"), "stddev_ts": e.get("stddev_ts"),
                         "samples_ts": e.get("samples_ts"), "reps": len(e.get("samples_ts") or [])}
-        row["gguf"] = args.gguf.get(quant) if isinstance(args.gguf, dict) else None
         rows.append(row)
+    infos = dict(x.split("=", 1) for x in args.info)
+    for q in list(args.gguf) + list(infos):
+        if not any(r["quant"] == q for r in rows):
+            rows.append({"quant": q})
+    for row in rows:
+        row["gguf"] = args.gguf.get(row["quant"])
+        if row["quant"] in infos:
+            row["gguf_info"] = json.loads(Path(infos[row["quant"]]).read_text())
 
     spec_res = []
     for spec in args.spec or []:
@@ -244,6 +251,7 @@ def main() -> int:
     r = sub.add_parser("report")
     r.add_argument("--bench", action="append", default=[], help="QUANT=llama-bench.json")
     r.add_argument("--spec", action="append", default=[], help="QUANT=speculative.log")
+    r.add_argument("--info", action="append", default=[], help="QUANT=gguf-info.json")
     r.add_argument("--gguf-map", default=None, help="JSON {quant: path}")
     r.add_argument("--model", default=None)
     r.add_argument("--version", default=None)

@@ -196,9 +196,7 @@ if [[ ! -f "$BF16_GGUF" ]]; then
   "$PY" "$SCRIPT_DIR/llama_cpp_peer.py" convert --llama-dir "$LLAMA" --model "$STAGE" \
     "$STAGE" --outtype bf16 --outfile "$BF16_GGUF.tmp" >"$RUN_DIR/convert.log" 2>&1 \
     || { tail -30 "$RUN_DIR/convert.log" >&2; die "conversion failed (log: $RUN_DIR/convert.log)"; }
-  grep -E "^\[peer\]|nextn|Model successfully" "$RUN_DIR/convert.log" | grep -v "^INFO:hf-to-gguf:blk" >&2 || true
-  NEXTN=$(grep -c "nextn\." "$RUN_DIR/convert.log" || true)
-  log "conversion kept $NEXTN MTP (nextn) tensors"
+  grep -E "^\[peer\]|Model successfully" "$RUN_DIR/convert.log" >&2 || true
   mv "$BF16_GGUF.tmp" "$BF16_GGUF"
   rm -rf "$STAGE"
 else
@@ -221,8 +219,15 @@ for q in $QUANTS; do
   GGUF[$q]="$f"
 done
 
-# ---------------------------------------------------------------- 6. llama-bench
+# what each GGUF holds (architecture, MTP/nextn layers kept, vocab, tensor types)
 REPORT_ARGS=()
+for q in $QUANTS; do
+  "$PY" "$SCRIPT_DIR/llama_cpp_peer.py" gguf-info --llama-dir "$LLAMA" "${GGUF[$q]}" >"$RUN_DIR/info-$q.json" \
+    && { log "$q: $(cat "$RUN_DIR/info-$q.json")"; REPORT_ARGS+=(--info "$q=$RUN_DIR/info-$q.json"); } \
+    || log "gguf-info $q failed"
+done
+
+# ---------------------------------------------------------------- 6. llama-bench
 GMAP="{"
 for q in $QUANTS; do GMAP+="\"$q\": \"${GGUF[$q]}\","; done
 GMAP="${GMAP%,}}"

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -16,6 +17,7 @@
 #include <set>
 #include <vector>
 
+#include "cli_util.h"
 #include "io/model_config.h"
 #include "io/safetensors.h"
 #include "model/qwen35.h"
@@ -275,6 +277,69 @@ TEST(MoeModel, VerifyWindowsEqualDecodeStepsAndTrafficIsCounted) {
                              static_cast<size_t>(V) * sizeof(float)))
         << "row " << t;
   }
+}
+
+// A copy of a MoE fixture whose tensors pass through `edit` (which may rename, reshape or drop them).
+std::filesystem::path edited_moe_fixture(
+    const std::filesystem::path& dir,
+    const std::function<bool(std::string& name, std::vector<int64_t>& shape)>& edit) {
+  const std::filesystem::path src = kFixtures / "moe_causal_mtp_f32";
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(src / "config.json", dir / "config.json");
+  const SafetensorsFile file(src / "model.safetensors");
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  std::vector<TensorToWrite> tensors;
+  for (const auto& [name, t] : file.tensors()) {
+    std::string n = name;
+    std::vector<int64_t> shape = t.shape;
+    if (!edit(n, shape)) continue;  // edits keep the element count: the bytes are the tensor's own
+    tensors.push_back({n, t.dtype, shape, {t.data, t.nbytes}});
+  }
+  write_safetensors(dir / "model.safetensors", tensors);
+  return dir;
+}
+
+std::string load_error(const std::filesystem::path& dir) {
+  try {
+    Model::load(dir);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+// Missing or misshapen experts, in each layout, are one-line errors naming the tensor; a head whose MoE
+// block is broken is reported (the trunk still runs).
+TEST(MoeModel, MissingOrMisshapenExpertsAreNamed) {
+  testing_util::TempDir tmp;
+  // An expert of the trunk missing (per-expert layout).
+  const std::string missing = load_error(edited_moe_fixture(tmp.path() / "a", [](std::string& n, auto&) {
+    return n != "model.layers.2.mlp.experts.5.up_proj.weight";
+  }));
+  EXPECT_NE(missing.find("model.layers.2.mlp.experts.5.up_proj.weight"), std::string::npos) << missing;
+  // No experts at all under a layer.
+  const std::string none = load_error(edited_moe_fixture(tmp.path() / "b", [](std::string& n, auto&) {
+    return n.find("model.layers.1.mlp.experts.") == std::string::npos;
+  }));
+  EXPECT_NE(none.find("model.layers.1.mlp."), std::string::npos) << none;
+  EXPECT_NE(none.find("no experts"), std::string::npos) << none;
+  // A router of the wrong width.
+  const std::string router = load_error(edited_moe_fixture(tmp.path() / "c", [](std::string& n, auto& shape) {
+    if (n == "model.layers.0.mlp.gate.weight") shape = {shape[1], shape[0]};
+    return true;
+  }));
+  EXPECT_NE(router.find("model.layers.0.mlp.gate.weight"), std::string::npos) << router;
+  for (const std::string& e : {missing, none, router}) EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  // The head's fused experts stacked for another expert count: the head is incompatible, the trunk loads.
+  auto model = Model::load(edited_moe_fixture(tmp.path() / "d", [](std::string& n, auto& shape) {
+    if (n == "mtp.layers.0.mlp.experts.gate_up_proj") shape = {shape[0] * 2, shape[1] / 2, shape[2]};
+    return true;
+  }));
+  EXPECT_EQ(model->mtp(), nullptr);
+  EXPECT_EQ(model->mtp_status().kind, MtpStatus::Kind::kIncompatible);
+  EXPECT_NE(model->mtp_status().detail.find("mtp.layers.0.mlp.experts.gate_up_proj"), std::string::npos)
+      << model->mtp_status().detail;
 }
 
 }  // namespace
