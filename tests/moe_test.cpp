@@ -5,6 +5,7 @@
 #include "model/moe.h"
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -190,6 +191,25 @@ TEST(MoeBlock, EveryRowOfAWindowIsBitwiseItsRowAlone) {
     for (int32_t e : r.experts) ++users[static_cast<size_t>(e)];
     EXPECT_GT(std::count(users.begin(), users.end(), 1), 0) << "T=" << T;
     expect_rows_equal_alone(moe.w, x, T, H);
+  }
+}
+
+// Whether a block runs its experts one per thread (several jobs per thread) or splits each product over
+// the threads (many threads), every output is the same bits.
+TEST(MoeBlock, ThreadCountsAndJobSplitsGiveTheSameBits) {
+  const int64_t H = 128, E = 16, k = 4, I = 64;
+  RandomMoe moe(H, E, k, I, 0.3f);
+  const int saved = omp_get_max_threads();
+  for (int64_t T : {1, 3, 20}) {
+    const auto x = random_rows(T, H, 7 + static_cast<uint32_t>(T));
+    std::vector<std::vector<float>> outs;
+    for (int threads : {1, 2, 3, 8}) {
+      omp_set_num_threads(threads);
+      outs.emplace_back(static_cast<size_t>(T * H));
+      moe_forward(moe.w, x.data(), T, outs.back().data());
+    }
+    omp_set_num_threads(saved);
+    for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(outs[0], outs[i]) << "T=" << T << " setting " << i;
   }
 }
 
