@@ -12,6 +12,12 @@
 #
 # Usage:
 #   bash bench/llama_cpp_peer.sh --model DIR [options]
+# e.g.
+#   build/mtpx synth --shape 35B-A3B --layers 8 --mtp --out /work/bench_data/m
+#   bash bench/llama_cpp_peer.sh --model /work/bench_data/m --gguf-dir /work/bench_data/gguf \
+#        --threads 2 --reps 3 --spec --out results.json
+# Prints the table (quant, size, pp tok/s, tg tok/s, mean ± stddev over --reps) and writes
+# the JSON (llama-bench samples, GGUF paths and contents, llama.cpp version, MTP run).
 #
 # Options:
 #   --model DIR          HF checkpoint directory (config.json + *.safetensors). Required.
@@ -24,10 +30,17 @@
 #   --gguf-dir DIR       where the GGUFs go (default: WORK/gguf/<model name>); existing
 #                        GGUFs there are reused, so a second run only benchmarks
 #   --tokenizer DIR      tokenizer.json + tokenizer_config.json to use when the model dir
-#                        has none (default: this repo's models/default, mtpx's toy model)
+#                        has none (default: this repo's models/default, mtpx's toy model:
+#                        8192 ids, so the model's vocab_size must be >= 8192; the converter
+#                        pads the vocabulary up to vocab_size with [PADn] tokens). A
+#                        tokenizer with Qwen3.5's pre-tokenizer regex is declared "qwen35"
+#                        to the converter's pre-tokenizer hash check (see llama_cpp_peer.py).
 #   --work DIR           work directory (default ${LLAMA_WORK:-$HOME/.cache/mtpx-llama})
 #   --lcp-version V      llama-cpp-python sdist version (default 0.3.36; "latest" = newest)
-#   --spec               also run MTP speculative decoding (draft-mtp) on each quant
+#   --spec               also run MTP speculative decoding (draft-mtp) on --spec-quants
+#                        (the MTP head is kept by the converter as extra nextn layer(s));
+#                        on random synth weights the acceptance is ~0%, so there it only
+#                        measures the machinery's cost
 #   --spec-quants "LIST" quants for --spec (default: the first of --quants that is not BF16)
 #   --spec-draft N       draft tokens per step for --spec (default 3)
 #   --spec-n N           tokens to generate for --spec (default 128)
