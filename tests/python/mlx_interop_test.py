@@ -11,33 +11,16 @@ Exit code 77 (ctest: skipped) when mlx / mlx-lm are not installed.
 """
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-try:
-    import mlx.core as mx
-    import numpy as np
-    from mlx.utils import tree_map
-    from mlx_lm import convert, load
-    from safetensors.numpy import load_file
-except ImportError as e:  # pragma: no cover
-    print(f"skipped: {e}")
-    sys.exit(77)
+from mlx_common import mlx_logits, mtpx  # exits 77 (skipped) without mlx / mlx-lm
 
-
-def mtpx(binary, *args):
-    r = subprocess.run([binary, *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise AssertionError(f"mtpx {' '.join(args)} failed ({r.returncode}): {r.stderr}")
-    return r.stdout
-
-
-def mlx_logits(path, ids):
-    model, _ = load(str(path))
-    model.update(tree_map(lambda x: x.astype(mx.float32) if x.dtype == mx.bfloat16 else x, model.parameters()))
-    return np.array(model(mx.array([ids]))[0].astype(mx.float32))
+import mlx.core as mx  # noqa: E402  (present: mlx_common checked)
+import numpy as np  # noqa: E402
+from mlx_lm import convert  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
 
 
 def main():
