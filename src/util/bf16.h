@@ -24,6 +24,20 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Element i of an array of 16-bit or 32-bit values at any address: checkpoint tensors need not be aligned
+// (MLX's safetensors writer does not pad the header, so a file's tensors can all start at odd addresses).
+// memcpy compiles to one load.
+inline uint16_t load_u16(const void* base, int64_t i) {
+  uint16_t v;
+  std::memcpy(&v, static_cast<const unsigned char*>(base) + i * 2, sizeof v);
+  return v;
+}
+inline float load_f32(const void* base, int64_t i) {
+  float v;
+  std::memcpy(&v, static_cast<const unsigned char*>(base) + i * 4, sizeof v);
+  return v;
+}
+
 inline float f16_to_f32(uint16_t bits) { return static_cast<float>(std::bit_cast<_Float16>(bits)); }
 inline uint16_t f32_to_f16(float f) { return std::bit_cast<uint16_t>(static_cast<_Float16>(f)); }
 

@@ -31,11 +31,11 @@ namespace {
 float load_scalar(const void* data, WeightType type, int64_t index) {
   switch (type) {
     case WeightType::kF32:
-      return static_cast<const float*>(data)[index];
+      return load_f32(data, index);
     case WeightType::kF16:
-      return f16_to_f32(static_cast<const uint16_t*>(data)[index]);
+      return f16_to_f32(load_u16(data, index));
     case WeightType::kBF16:
-      return bf16_to_f32(static_cast<const uint16_t*>(data)[index]);
+      return bf16_to_f32(load_u16(data, index));
     case WeightType::kAffine:
       break;  // codes are not addressable one by one: the affine kernels read them
   }
@@ -871,10 +871,10 @@ void matmul_gemm(const WeightMatrix& w, const float* x, int64_t m, float* y) {
     const int64_t n = nb * k;
     if (w.type == WeightType::kBF16) {
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) block[static_cast<size_t>(i)] = bf16_to_f32(src[i]);
+      for (int64_t i = 0; i < n; ++i) block[static_cast<size_t>(i)] = bf16_to_f32(load_u16(src, i));
     } else {
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) block[static_cast<size_t>(i)] = f16_to_f32(src[i]);
+      for (int64_t i = 0; i < n; ++i) block[static_cast<size_t>(i)] = f16_to_f32(load_u16(src, i));
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m), static_cast<int>(nb),
                 static_cast<int>(k), 1.0f, x, static_cast<int>(k), block.data(), static_cast<int>(k), 0.0f,

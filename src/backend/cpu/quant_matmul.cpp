@@ -45,11 +45,11 @@ constexpr int64_t kDequantBlockRows = 512;
 float param_at(const void* data, WeightType type, int64_t index) {
   switch (type) {
     case WeightType::kF32:
-      return static_cast<const float*>(data)[index];
+      return load_f32(data, index);
     case WeightType::kF16:
-      return f16_to_f32(static_cast<const uint16_t*>(data)[index]);
+      return f16_to_f32(load_u16(data, index));
     case WeightType::kBF16:
-      return bf16_to_f32(static_cast<const uint16_t*>(data)[index]);
+      return bf16_to_f32(load_u16(data, index));
     case WeightType::kAffine:
       break;
   }
@@ -133,10 +133,10 @@ void params_to_f32(const void* data, WeightType type, int64_t index, int64_t n, 
       std::memcpy(out, static_cast<const float*>(data) + index, sizeof(float) * static_cast<size_t>(n));
       break;
     case WeightType::kF16:
-      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(static_cast<const uint16_t*>(data)[index + i]);
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(load_u16(data, index + i));
       break;
     default:
-      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(static_cast<const uint16_t*>(data)[index + i]);
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load_u16(data, index + i));
       break;
   }
   for (int64_t i = n; i < kGroupChunk; ++i) out[i] = 0.0f;
