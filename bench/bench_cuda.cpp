@@ -40,11 +40,22 @@ double median(std::vector<double> v) {
 }
 
 // Bytes of weights one decode step reads: every trunk matrix once, the embedding table only by one row
-// (unless tied, when it is the lm_head).
+// (unless tied, when it is the lm_head), and of a MoE layer's routed experts only its k of E.
 int64_t bytes_per_token(const mtpx::Model& m) {
   const auto& w = m.weights();
   const int64_t embed = mtpx::cpu::weight_bytes(w.embed_tokens);
-  return w.tied ? w.matrix_bytes : w.matrix_bytes - embed;
+  double routed = 0.0;
+  for (const mtpx::LayerWeights& l : w.layers) {
+    if (!l.moe) continue;
+    int64_t bytes = 0;
+    for (const mtpx::MlpWeights& e : l.moe->experts)
+      bytes += mtpx::cpu::weight_bytes(e.gate_proj) + mtpx::cpu::weight_bytes(e.up_proj) +
+               mtpx::cpu::weight_bytes(e.down_proj);
+    const double share =
+        static_cast<double>(l.moe->experts_per_token) / static_cast<double>(l.moe->experts.size());
+    routed += static_cast<double>(bytes) * (1.0 - share);
+  }
+  return (w.tied ? w.matrix_bytes : w.matrix_bytes - embed) - static_cast<int64_t>(routed);
 }
 
 }  // namespace
@@ -58,6 +69,9 @@ int main(int argc, char** argv) {
   bool json = false;
   int64_t profile_steps = 0, profile_rows = 1, profile_prefill = 0, draft_vocab = 32768;
   auto* shape_option = app.add_option("--shape", shape, "model shape (spec §9)");
+  int64_t layers = 0;
+  app.add_option("--layers", layers, "the shape's first N layers only (0: all; a reduced-depth shape)")
+      ->check(CLI::Range(0, 1000));
   std::string model_dir;
   app.add_option("--model", model_dir,
                  "a checkpoint instead of a synthetic shape (e.g. mtpx synth --shape 9B --bits 4 --mtp)")
@@ -94,7 +108,7 @@ int main(int argc, char** argv) {
   try {
     using namespace mtpx;
     if (profile_prefill > 0) {
-      auto m = model_dir.empty() ? Model::synthetic(shape_config(shape), 1, /*with_mtp=*/false)
+      auto m = model_dir.empty() ? Model::synthetic(shape_config(shape, layers), 1, /*with_mtp=*/false)
                                  : Model::load(model_dir);
       m->use_device("cuda");
       InferenceState st = m->new_state(profile_prefill + 8);
@@ -105,7 +119,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (profile_steps > 0) {
-      auto m = model_dir.empty() ? Model::synthetic(shape_config(shape), 1, /*with_mtp=*/false)
+      auto m = model_dir.empty() ? Model::synthetic(shape_config(shape, layers), 1, /*with_mtp=*/false)
                                  : Model::load(model_dir);
       m->use_device("cuda");
       InferenceState st = m->new_state(64 + profile_steps);
@@ -120,14 +134,16 @@ int main(int argc, char** argv) {
       return 0;
     }
     nlohmann::json report;
-    if (model_dir.empty()) report["shape"] = shape;  // a checkpoint is reported as "model" below
+    if (model_dir.empty()) report["shape"] = shape;
+    if (model_dir.empty() && layers > 0)
+      report["layers"] = layers;  // a checkpoint is reported as "model" below
     const double copy_bw = cuda::copy_bandwidth(size_t{1} << 30, 20);
     const double gemm = cuda::bf16_gemm_rate(8192, 20);
     report["copy_bandwidth_GBs"] = copy_bw / 1e9;
     report["bf16_gemm_TFLOPs"] = gemm / 1e12;
 
     auto t_build = Clock::now();
-    auto model = model_dir.empty() ? Model::synthetic(shape_config(shape), 1, /*with_mtp=*/true)
+    auto model = model_dir.empty() ? Model::synthetic(shape_config(shape, layers), 1, /*with_mtp=*/true)
                                    : Model::load(model_dir);
     if (!model_dir.empty()) report["model"] = model_dir;
     const double build_s = seconds_since(t_build);
@@ -167,7 +183,7 @@ int main(int argc, char** argv) {
       // a fully accepted window needs none.
       // Measured twice: returning every row's logits to the host, and as greedy MTP runs it (each row's
       // argmax on the device, the logits left there).
-      std::vector<double> c_of_k, rollback_s, c_argmax;
+      std::vector<double> c_of_k, rollback_s, c_argmax, experts_per_pass;
       const int64_t vocab = model->config().vocab_size;
       for (int64_t k = 0; k <= 8; ++k) {
         const auto window = ids(k + 1, 3 + k);
@@ -185,6 +201,12 @@ int main(int argc, char** argv) {
           model->rollback(state, 1);
           rollback_times.push_back(seconds_since(t));
         }
+        if (model->config().is_moe()) {  // distinct experts a window's MoE block reads (the last rep's)
+          const ExpertTraffic before = state.expert_traffic();
+          model->forward(state, window, LogitRows::kLast, r, /*record_window=*/true);
+          model->rollback(state, 1);
+          experts_per_pass.push_back(traffic_since(state.expert_traffic(), before).experts_per_block());
+        }
         c_of_k.push_back(median(times));
         rollback_s.push_back(median(rollback_times));
         c_argmax.push_back(median(argmax_times));
@@ -195,6 +217,11 @@ int main(int argc, char** argv) {
         ck_argmax[std::to_string(k)] = c_argmax[static_cast<size_t>(k)] / c_argmax[0];
       }
       report["verify_cost_c"] = ck;
+      if (!experts_per_pass.empty()) {  // K + 1 rows: K = 0 is a decode step
+        nlohmann::json ex = nlohmann::json::object();
+        for (size_t k = 0; k < experts_per_pass.size(); ++k) ex[std::to_string(k)] = experts_per_pass[k];
+        report["experts_per_layer_pass"] = ex;
+      }
       report["verify_cost_c_argmax"] = ck_argmax;
       report["decode_step_with_record_ms"] = c_of_k[0] * 1e3;
       report["rollback_k3_to_one_token_ms"] = rollback_s[3] * 1e3;

@@ -26,6 +26,7 @@
 #include "test_paths.h"
 #include "util/bf16.h"
 #include "util/error.h"
+#include "util/libstdcxx_select.h"
 
 namespace mtpx {
 namespace {
@@ -131,6 +132,68 @@ TEST(MoeRouting, TopkReproducesTorchTieOrder) {
     }
   }
   EXPECT_GT(cases, 100);
+}
+
+// The replica of libstdc++'s partial_sort / nth_element / sort that the CUDA router runs on tied rows
+// (util/libstdcxx_select.h) leaves (value, index) pairs in exactly the order the real algorithms do, on
+// inputs full of ties (values drawn from a handful), at the sizes torch.topk uses them for and past the
+// sort's insertion threshold and the introselect's depth limit.
+TEST(MoeRouting, LibstdcxxReplicaMovesElementsAsTheRealAlgorithms) {
+  using Pair = std::pair<float, int64_t>;
+  const auto before = [](const Pair& a, const Pair& b) {
+    return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+  };
+  // Each pair's index names it (NaN values compare unequal to themselves).
+  const auto order = [](const std::vector<Pair>& v) {
+    std::vector<int64_t> ids;
+    for (const Pair& p : v) ids.push_back(p.second);
+    return ids;
+  };
+  std::mt19937 rng(99);
+  int compared = 0;
+  for (int64_t n : {2, 3, 4, 5, 8, 17, 33, 64, 128, 256, 512, 1000}) {
+    for (int distinct : {1, 2, 3, 7, 50, 100000}) {
+      for (int trial = 0; trial < 6; ++trial) {
+        std::uniform_int_distribution<int> pick(0, distinct - 1);
+        std::vector<Pair> data(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i)
+          data[static_cast<size_t>(i)] = {static_cast<float>(pick(rng)) / 8.0f, i};
+        if (trial == 5 && n > 4) data[static_cast<size_t>(n / 3)].first = std::nanf("");
+        for (int64_t k : {int64_t{1}, int64_t{2}, int64_t{8}, n / 2, n}) {
+          if (k < 1 || k > n) continue;
+          auto real = data, replica = data;
+          std::partial_sort(real.begin(), real.begin() + k, real.end(), before);
+          libstdcxx::partial_sort(replica.data(), k, n, before);
+          ASSERT_EQ(order(real), order(replica)) << "partial_sort n " << n << " k " << k;
+          real = data, replica = data;
+          std::nth_element(real.begin(), real.begin() + (k - 1), real.end(), before);
+          libstdcxx::nth_element(replica.data(), k - 1, n, before);
+          ASSERT_EQ(order(real), order(replica)) << "nth_element n " << n << " k " << k;
+          std::sort(real.begin(), real.begin() + k, before);
+          libstdcxx::sort(replica.data(), k, before);
+          ASSERT_EQ(order(real), order(replica)) << "sort n " << n << " k " << k;
+          ++compared;
+        }
+      }
+    }
+  }
+  // Sorted and reverse-sorted inputs of many equal keys (the partitions' worst cases: heap sort takes over).
+  for (int64_t n : {40, 300, 2000}) {
+    std::vector<Pair> data(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) data[static_cast<size_t>(i)] = {static_cast<float>(i % 3), i};
+    for (bool reversed : {false, true}) {
+      if (reversed) std::reverse(data.begin(), data.end());
+      auto real = data, replica = data;
+      std::sort(real.begin(), real.end(), before);
+      libstdcxx::sort(replica.data(), n, before);
+      ASSERT_EQ(order(real), order(replica)) << "sort n " << n;
+      real = data, replica = data;
+      std::nth_element(real.begin(), real.begin() + n / 2, real.end(), before);
+      libstdcxx::nth_element(replica.data(), n / 2, n, before);
+      ASSERT_EQ(order(real), order(replica)) << "nth_element n " << n;
+    }
+  }
+  EXPECT_GT(compared, 1000);
 }
 
 // A MoE block with random bf16 weights that the test owns.

@@ -33,12 +33,21 @@ struct DeviceDeltaNet {
   Matrix in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj;
   const float *conv1d = nullptr, *a_log = nullptr, *dt_bias = nullptr, *norm = nullptr;
 };
+// A mixture-of-experts MLP (model/moe.h): the router, the routed experts as tables of device pointers, the
+// shared expert and its gate.
+struct DeviceMoe {
+  Matrix router, shared_expert_gate;  // [E, H], [1, H]
+  Matrix shared_gate_proj, shared_up_proj, shared_down_proj;
+  cuda::ExpertMatrices gate, up, down;
+  int64_t experts = 0, per_token = 0;
+};
 struct DeviceLayer {
   LayerType type = LayerType::kLinearAttention;
   const float *input_norm = nullptr, *post_attn_norm = nullptr;
   DeviceAttention attention;
   DeviceDeltaNet delta_net;
-  Matrix gate_proj, up_proj, down_proj;
+  Matrix gate_proj, up_proj, down_proj;  // dense models
+  std::optional<DeviceMoe> moe;          // MoE models
 };
 struct DeviceHead {
   Matrix fc;
@@ -48,6 +57,9 @@ struct DeviceHead {
 
 // A verify window longer than this is not recorded (the CPU has the same bound: kGemmMinRows).
 constexpr int64_t kMaxWindow = cuda::kGemmMinRows - 1;
+// A prompt's MoE blocks run over chunks of this many rows (their per-entry scratch, [rows * k, H], stays
+// a few tens of MB).
+constexpr int64_t kMoeChunk = 512;
 
 struct DeviceKv {
   Buffer keys, values;  // [capacity, nkv, D]
@@ -65,12 +77,19 @@ struct CapturedPass {
   int64_t generation = -1;  // the scratch buffers it was captured with
 };
 
+class CudaExecutor;
+
 class CudaSequence : public DeviceSequence {
  public:
   ~CudaSequence() override {
     for (auto& [key, pass] : graphs) cuda::Stream::destroy_graph(pass.exec);
   }
+  ExpertTraffic expert_traffic() const override;
+  const CudaExecutor* owner = nullptr;
   int64_t id = 0;  // unique among the executor's sequences
+  // MoE models: the experts this sequence's passes read, counted by the routing kernel (4 x uint64:
+  // ExpertTraffic's fields).
+  Buffer traffic;
   Buffer pos{sizeof(int32_t)};
   std::vector<DeviceKv> kv;        // per layer (empty buffers for DeltaNet layers)
   std::vector<DeviceDelta> delta;  // per layer (empty for attention layers)
@@ -113,11 +132,28 @@ class CudaExecutor final : public DeviceExecutor {
     int64_t rows = 0;
     Buffer tokens, x, normed, hidden, joined, qg, k, v, attn_o, qkv, xconv, z, b, a, g, beta, dn_o, gate, up,
         rounded, delta_chunks;
+    // MoE blocks, for min(rows, kMoeChunk) rows: router logits [n, E], the chosen experts and their weights
+    // [n, k], the plan, the experts' SwiGLU [n k, I] and outputs [n k, H], the shared expert's output [n, H]
+    // and its gate logit [n].
+    Buffer router_logits, chosen, route_weights, plan, expert_act, expert_y, shared_out, shared_gate;
   };
+
+ public:
+  // The experts `seq`'s passes read so far (copied from the device).
+  ExpertTraffic traffic_of(const CudaSequence& seq) const;
+
+ private:
   const void* upload_bytes(const void* host, size_t bytes);
   Matrix upload(const cpu::WeightMatrix& w, const char* what);
   const float* upload(const std::vector<float>& v);
   DeviceLayer upload(const LayerWeights& layer);
+  DeviceMoe upload(const MoeWeights& moe);
+  // Every expert's `which` matrix in one allocation, and the table of their device pointers.
+  cuda::ExpertMatrices upload_experts(const MoeWeights& moe, cpu::WeightMatrix MlpWeights::*which,
+                                      const char* what);
+  // The MoE block's update of scratch x [T, H] (x += moe(post_norm(x))).
+  void moe_forward(const DeviceMoe& moe, const float* post_attn_norm, CudaSequence& seq,
+                   int64_t t_count) const;
   void ensure_scratch(int64_t rows) const;
   void layer_forward(const DeviceLayer& layer, CudaSequence& seq, int64_t layer_index, DeviceKv* kv,
                      int64_t t_count, bool record_window) const;
@@ -257,10 +293,6 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
   const cuda::DeviceInfo info = cuda::device_info();
   description_ = fmt::format("cuda: {}, sm_{}{}, {:.1f} GiB", info.name, info.compute_major,
                              info.compute_minor, static_cast<double>(info.total_bytes) / (1 << 30));
-  if (c.is_moe())
-    fail(ErrorKind::kUnsupported,
-         "--device cuda: mixture-of-experts models ({} experts) run on the CPU for now (--device cpu)",
-         c.num_experts);
   if (c.head_dim % 32 != 0 || c.head_dim > 256)
     fail(ErrorKind::kUnsupported, "--device cuda: head_dim {} is not supported (32, 64, 128, 256)",
          c.head_dim);
@@ -377,10 +409,99 @@ DeviceLayer CudaExecutor::upload(const LayerWeights& l) {
                    upload(n.dt_bias),
                    upload(n.norm)};
   }
-  d.gate_proj = upload(l.mlp.gate_proj, "gate_proj");
-  d.up_proj = upload(l.mlp.up_proj, "up_proj");
-  d.down_proj = upload(l.mlp.down_proj, "down_proj");
+  if (l.moe) {
+    d.moe = upload(*l.moe);
+  } else {
+    d.gate_proj = upload(l.mlp.gate_proj, "gate_proj");
+    d.up_proj = upload(l.mlp.up_proj, "up_proj");
+    d.down_proj = upload(l.mlp.down_proj, "down_proj");
+  }
   return d;
+}
+
+DeviceMoe CudaExecutor::upload(const MoeWeights& m) {
+  DeviceMoe d;
+  d.router = upload(m.router, "mlp.gate");
+  d.shared_expert_gate = upload(m.shared_expert_gate, "shared_expert_gate");
+  d.shared_gate_proj = upload(m.shared_expert.gate_proj, "shared_expert.gate_proj");
+  d.shared_up_proj = upload(m.shared_expert.up_proj, "shared_expert.up_proj");
+  d.shared_down_proj = upload(m.shared_expert.down_proj, "shared_expert.down_proj");
+  d.experts = static_cast<int64_t>(m.experts.size());
+  d.per_token = m.experts_per_token;
+  d.gate = upload_experts(m, &MlpWeights::gate_proj, "experts' gate_proj");
+  d.up = upload_experts(m, &MlpWeights::up_proj, "experts' up_proj");
+  d.down = upload_experts(m, &MlpWeights::down_proj, "experts' down_proj");
+  const cuda::ExpertMatrices &g = d.gate, &u = d.up;
+  if (g.type != u.type || g.rows != u.rows || g.cols != u.cols || g.bits != u.bits ||
+      g.group_size != u.group_size || g.scale_type != u.scale_type)
+    fail(ErrorKind::kUnsupported,
+         "--device cuda: the experts' gate_proj and up_proj are stored differently (type, shape or "
+         "quantization); the GPU runs them in one product");
+  return d;
+}
+
+cuda::ExpertMatrices CudaExecutor::upload_experts(const MoeWeights& moe, cpu::WeightMatrix MlpWeights::*which,
+                                                  const char* what) {
+  const cpu::WeightMatrix& first = moe.experts.at(0).*which;
+  cuda::ExpertMatrices m;
+  m.type = device_dtype(first.type);
+  m.rows = first.rows, m.cols = first.cols;
+  const bool affine = m.type == cuda::Dtype::kAffine;
+  if (affine) {
+    m.bits = first.bits, m.group_size = first.group_size;
+    m.scale_type = first.scale_type == cpu::WeightType::kBF16 ? cuda::Dtype::kBF16 : cuda::Dtype::kF32;
+  }
+  const auto E = static_cast<int64_t>(moe.experts.size());
+  if (const char* why = cuda::moe_unsupported(m, E, moe.experts_per_token); *why != '\0')
+    fail(ErrorKind::kUnsupported, "--device cuda: {} ({} experts, {} per token): {}", what, E,
+         moe.experts_per_token, why);
+  for (int64_t e = 0; e < E; ++e) {
+    const cpu::WeightMatrix& w = moe.experts[static_cast<size_t>(e)].*which;
+    if (w.type != first.type || w.rows != first.rows || w.cols != first.cols || w.bits != first.bits ||
+        w.group_size != first.group_size || w.scale_type != first.scale_type)
+      fail(ErrorKind::kUnsupported, "--device cuda: the {} of expert {} are stored unlike expert 0's", what,
+           e);
+  }
+  // Each expert's pieces at 256-byte boundaries (the kernels' 16-byte loads need 16).
+  auto round_up = [](size_t n) { return (n + 255) / 256 * 256; };
+  const size_t data_bytes = affine ? static_cast<size_t>(m.rows * m.cols / 32 * m.bits) * 4
+                                   : static_cast<size_t>(m.rows * m.cols) * dtype_bytes(m.type);
+  const size_t scale_count = affine ? static_cast<size_t>(m.rows * (m.cols / m.group_size)) : 0;
+  const size_t scale_bytes = scale_count * (m.scale_type == cuda::Dtype::kF32 ? 4 : 2);
+  const size_t piece = round_up(data_bytes) + 2 * round_up(scale_bytes);
+  Buffer arena(piece * static_cast<size_t>(E));
+  auto* base = static_cast<char*>(arena.data());
+  std::vector<cuda::ExpertPointers> table(static_cast<size_t>(E));
+  std::vector<float> widened;  // float16 scales and biases as float32 (exact)
+  auto copy_scales = [&](void* to, const void* from) {
+    if (first.scale_type == cpu::WeightType::kBF16 || first.scale_type == cpu::WeightType::kF32) {
+      stream_.to_device(to, from, scale_bytes);
+      return;
+    }
+    widened.resize(scale_count);
+    for (size_t i = 0; i < scale_count; ++i) widened[i] = f16_to_f32(load_u16(from, static_cast<int64_t>(i)));
+    stream_.to_device(to, widened.data(), scale_bytes);
+    stream_.synchronize();  // `widened` is refilled next
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    const cpu::WeightMatrix& w = moe.experts[static_cast<size_t>(e)].*which;
+    char* at = base + piece * static_cast<size_t>(e);
+    stream_.to_device(at, w.data, data_bytes);
+    cuda::ExpertPointers& p = table[static_cast<size_t>(e)];
+    p.data = at;
+    if (affine) {
+      p.scales = at + round_up(data_bytes);
+      p.biases = at + round_up(data_bytes) + round_up(scale_bytes);
+      copy_scales(const_cast<void*>(p.scales), w.scales);
+      copy_scales(const_cast<void*>(p.biases), w.biases);
+    }
+  }
+  weight_bytes_ += static_cast<int64_t>(piece) * E;
+  arena_.push_back(std::move(arena));
+  m.table = static_cast<const cuda::ExpertPointers*>(
+      upload_bytes(table.data(), table.size() * sizeof(cuda::ExpertPointers)));
+  stream_.synchronize();  // `table` goes away
+  return m;
 }
 
 void CudaExecutor::ensure_scratch(int64_t rows) const {
@@ -389,8 +510,10 @@ void CudaExecutor::ensure_scratch(int64_t rows) const {
   const int64_t H = c.hidden_size, qg = c.num_attention_heads * 2 * c.head_dim,
                 kv = c.num_kv_heads * c.head_dim;
   const int64_t hv = c.linear_num_value_heads, vdim = hv * c.linear_value_head_dim, conv = c.conv_dim();
-  const int64_t widest =
-      std::max({2 * H, c.intermediate_size, conv, vdim, c.num_attention_heads * c.head_dim});
+  // The MLP's width: the dense one's, or a MoE model's shared expert (its routed experts have scratch of
+  // their own).
+  const int64_t mlp = std::max(c.intermediate_size, c.shared_expert_intermediate_size);
+  const int64_t widest = std::max({2 * H, mlp, conv, vdim, c.num_attention_heads * c.head_dim});
   auto f32 = [&](int64_t per_row) { return Buffer(static_cast<size_t>(rows * per_row) * sizeof(float)); };
   Scratch s;
   s.rows = rows;
@@ -398,7 +521,17 @@ void CudaExecutor::ensure_scratch(int64_t rows) const {
   s.x = f32(H), s.normed = f32(H), s.hidden = f32(H), s.joined = f32(2 * H);
   s.qg = f32(qg), s.k = f32(kv), s.v = f32(kv), s.attn_o = f32(c.num_attention_heads * c.head_dim);
   s.qkv = f32(conv), s.xconv = f32(conv), s.z = f32(vdim), s.b = f32(hv), s.a = f32(hv), s.g = f32(hv);
-  s.beta = f32(hv), s.dn_o = f32(vdim), s.gate = f32(c.intermediate_size), s.up = f32(c.intermediate_size);
+  s.beta = f32(hv), s.dn_o = f32(vdim), s.gate = f32(mlp), s.up = f32(mlp);
+  if (c.is_moe()) {
+    const int64_t n = std::min(rows, kMoeChunk), E = c.num_experts, k = c.num_experts_per_tok;
+    auto bytes = [](int64_t count) { return static_cast<size_t>(count) * 4; };
+    s.router_logits = Buffer(bytes(n * E));
+    s.chosen = Buffer(bytes(n * k)), s.route_weights = Buffer(bytes(n * k));
+    s.plan = Buffer(static_cast<size_t>(cuda::moe_plan_bytes(n, k, E)));
+    s.expert_act = Buffer(bytes(n * k * c.moe_intermediate_size));
+    s.expert_y = Buffer(bytes(n * k * H));
+    s.shared_out = Buffer(bytes(n * H)), s.shared_gate = Buffer(bytes(n));
+  }
   s.rounded = Buffer(static_cast<size_t>(rows * widest) * 4);  // hi + lo 16-bit halves
   s.delta_chunks = Buffer(static_cast<size_t>(cuda::delta_rule_chunked_scratch_bytes(rows, hv)));
   stream_.synchronize();  // the old buffers may still be in use by queued work
@@ -411,6 +544,11 @@ std::unique_ptr<DeviceSequence> CudaExecutor::new_sequence(int64_t capacity) con
   const ModelConfig& c = config_;
   auto seq = std::make_unique<CudaSequence>();
   seq->id = ++sequences_made_;
+  seq->owner = this;
+  if (c.is_moe()) {
+    seq->traffic = Buffer(4 * sizeof(unsigned long long));
+    stream_.zero(seq->traffic.data(), seq->traffic.bytes());
+  }
   seq->kv.resize(static_cast<size_t>(c.num_layers));
   seq->delta.resize(static_cast<size_t>(c.num_layers));
   const int64_t conv = c.conv_dim(), kc1 = c.linear_conv_kernel_dim - 1, hv = c.linear_num_value_heads;
@@ -441,6 +579,12 @@ std::unique_ptr<DeviceSequence> CudaExecutor::new_sequence(int64_t capacity) con
 std::unique_ptr<DeviceSequence> CudaExecutor::new_mtp_sequence(int64_t capacity) const {
   auto seq = std::make_unique<CudaSequence>();
   seq->id = ++sequences_made_;
+  seq->owner = this;
+  if (config_.is_moe()) {
+    seq->traffic = Buffer(4 * sizeof(unsigned long long));
+    stream_.zero(seq->traffic.data(), seq->traffic.bytes());
+    stream_.synchronize();
+  }
   const size_t n = static_cast<size_t>(capacity * config_.num_kv_heads * config_.head_dim) * sizeof(float);
   seq->kv.push_back({Buffer(n), Buffer(n)});
   note_device_usage();
@@ -505,10 +649,61 @@ void CudaExecutor::layer_forward(const DeviceLayer& l, CudaSequence& seq, int64_
     cuda::gated_rms_norm(s.dn_o.as<float>(), s.z.as<float>(), n.norm, eps, T * hv, dv, st);
     mm(n.out_proj, s.dn_o.as<float>(), T, x, /*accumulate=*/true);  // x += out_proj(o)
   }
+  if (l.moe) return moe_forward(*l.moe, l.post_attn_norm, seq, T);
   cuda::matmul_swiglu(l.gate_proj, l.up_proj, x, T, s.gate.as<float>(), s.up.as<float>(), workspace(),
                       post_attn_norm, normed);
   mm(l.down_proj, s.gate.as<float>(), T, x, /*accumulate=*/true);  // x += down(silu(gate) * up)
 }
+
+// model/moe.cpp's block on the device: x += sum of the chosen experts' SwiGLU outputs, weighted, in
+// ascending expert order, + sigmoid(shared_expert_gate) * shared_expert, all of post_attn_norm(x).
+void CudaExecutor::moe_forward(const DeviceMoe& m, const float* post_attn_norm, CudaSequence& seq,
+                               int64_t T) const {
+  const ModelConfig& c = config_;
+  const Scratch& s = scratch_;
+  void* st = stream_.handle();
+  const int64_t H = c.hidden_size, E = m.experts, k = m.per_token;
+  float* const x = s.x.as<float>();
+  float* const normed = s.normed.as<float>();
+  cuda::rms_norm_rows(x, H, post_attn_norm, static_cast<float>(c.rms_norm_eps), T, H, normed, H, st);
+  auto* const traffic = static_cast<unsigned long long*>(seq.traffic.data());
+  const int64_t chunk = T < cuda::kGemmMinRows ? T : kMoeChunk;
+  for (int64_t c0 = 0; c0 < T; c0 += chunk) {
+    const int64_t n = std::min(chunk, T - c0);
+    const float* const h = normed + c0 * H;
+    // The router and the shared expert's gate in runs of fewer than kGemmMinRows rows: the batch-invariant
+    // row kernels, so that a prompt's token routes exactly as the same row would in a decode step.
+    for (int64_t r0 = 0; r0 < n; r0 += kMaxWindow) {
+      const Matrix both[2] = {m.router, m.shared_expert_gate};
+      float* const out[2] = {s.router_logits.as<float>() + r0 * E, s.shared_gate.as<float>() + r0};
+      cuda::matmul_group(both, out, 2, h + r0 * H, std::min(kMaxWindow, n - r0), workspace());
+    }
+    cuda::moe_route(s.router_logits.as<float>(), n, E, k, s.chosen.as<int32_t>(), s.route_weights.as<float>(),
+                    s.plan.data(), traffic, st);
+    cuda::moe_expert_swiglu(m.gate, m.up, s.plan.data(), n, k, E, h, s.expert_act.as<float>(), st);
+    cuda::moe_expert_down(m.down, s.plan.data(), n, k, E, s.expert_act.as<float>(), s.expert_y.as<float>(),
+                          st);
+    cuda::matmul_swiglu(m.shared_gate_proj, m.shared_up_proj, h, n, s.gate.as<float>(), s.up.as<float>(),
+                        workspace());
+    mm(m.shared_down_proj, s.gate.as<float>(), n, s.shared_out.as<float>());
+    cuda::moe_combine(x + c0 * H, s.expert_y.as<float>(), s.chosen.as<int32_t>(), s.route_weights.as<float>(),
+                      s.shared_out.as<float>(), s.shared_gate.as<float>(), n, k, H, st);
+  }
+}
+
+ExpertTraffic CudaExecutor::traffic_of(const CudaSequence& seq) const {
+  if (seq.traffic.bytes() == 0) return {};
+  std::lock_guard lock(mutex_);
+  unsigned long long counts[4] = {};
+  void* host = staging(sizeof(counts));
+  stream_.to_host(host, seq.traffic.data(), sizeof(counts));
+  stream_.synchronize();
+  std::memcpy(counts, host, sizeof(counts));
+  return {static_cast<int64_t>(counts[0]), static_cast<int64_t>(counts[1]), static_cast<int64_t>(counts[2]),
+          static_cast<int64_t>(counts[3])};
+}
+
+ExpertTraffic CudaSequence::expert_traffic() const { return owner->traffic_of(*this); }
 
 // hidden = final norm of x; logits for the rows asked for (kernels only: may be captured).
 void CudaExecutor::final_norm_and_logits(int64_t T, LogitRows rows, const float* norm, int64_t V,

@@ -24,8 +24,11 @@ class MtpState {
   // As InferenceState::set_input_statistics, for the head's products.
   void set_input_statistics(InputStatistics* stats) { input_stats_ = stats; }
   InputStatistics* input_statistics() const { return input_stats_; }
-  // A MoE head: the experts its host passes read.
-  ExpertTraffic& expert_traffic() { return expert_traffic_; }
+  // A MoE head: the experts its passes read (as InferenceState::expert_traffic).
+  ExpertTraffic& expert_traffic() {
+    if (device_) expert_traffic_ = device_->expert_traffic();
+    return expert_traffic_;
+  }
 
  private:
   InputStatistics* input_stats_ = nullptr;

@@ -65,6 +65,8 @@ inline ExpertTraffic traffic_since(const ExpertTraffic& now, const ExpertTraffic
 class DeviceSequence {
  public:
   virtual ~DeviceSequence() = default;
+  // A MoE model's experts read by this sequence's passes so far (counted on the device).
+  virtual ExpertTraffic expert_traffic() const { return {}; }
 };
 
 class InferenceState {
@@ -91,8 +93,12 @@ class InferenceState {
   // nullptr: none).
   void set_input_statistics(InputStatistics* stats) { input_stats_ = stats; }
   InputStatistics* input_statistics() const { return input_stats_; }
-  // Mixture-of-experts models: the experts this sequence's passes read (host passes).
-  ExpertTraffic& expert_traffic() { return expert_traffic_; }
+  // Mixture-of-experts models: the experts this sequence's passes read (host passes count into it; a
+  // device state's count is copied from the device first).
+  ExpertTraffic& expert_traffic() {
+    if (device_) expert_traffic_ = device_->expert_traffic();
+    return expert_traffic_;
+  }
 
  private:
   InputStatistics* input_stats_ = nullptr;

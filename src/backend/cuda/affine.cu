@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "backend/cuda/affine.h"
+#include "backend/cuda/affine_math.cuh"
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/runtime.h"
 #include "util/error.h"
@@ -47,35 +48,6 @@ struct AffineGroup {
 
 __device__ __forceinline__ float code_to_float(uint32_t c) {
   return __uint_as_float(0x4B000000u | c) - 8388608.0f;
-}
-
-// The 8 codes of chunk `chunk` of a row (8 * B bits) as a 64-bit little-endian value.
-template <int B>
-__device__ __forceinline__ uint64_t load_chunk(const uint32_t* row, int chunk) {
-  if constexpr (B == 4) return __ldg(row + chunk);
-  if constexpr (B == 8) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(row) + chunk);
-    return u.x | static_cast<uint64_t>(u.y) << 32;
-  }
-  // 6 bits: 6 bytes at byte 6 * chunk, 2-byte aligned.
-  const auto* h = reinterpret_cast<const unsigned short*>(row) + 3 * chunk;
-  return __ldg(h) | static_cast<uint64_t>(__ldg(h + 1)) << 16 | static_cast<uint64_t>(__ldg(h + 2)) << 32;
-}
-
-// The float 1 + c / 2^B for code c (compile-time index after unrolling) of the chunk: c's B bits moved to
-// the top of the mantissa, under the exponent of 1.0.
-template <int B>
-__device__ __forceinline__ float code_plus_one(uint64_t chunk, int c) {
-  const int bit = c * B;
-  const uint32_t word = bit >= 32 ? static_cast<uint32_t>(chunk >> 32) : static_cast<uint32_t>(chunk);
-  const int shift = bit % 32;
-  const uint32_t bits = shift + B > 32 ? static_cast<uint32_t>(chunk >> bit) : word >> shift;
-  return __uint_as_float(0x3F800000u | ((bits << (23 - B)) & (((1u << B) - 1u) << (23 - B))));
-}
-
-__device__ __forceinline__ float scale_at(const void* p, size_t i, bool f32) {
-  return f32 ? __ldg(static_cast<const float*>(p) + i)
-             : __uint_as_float(static_cast<uint32_t>(__ldg(static_cast<const unsigned short*>(p) + i)) << 16);
 }
 
 template <int B, int M, int MODE>

@@ -196,4 +196,56 @@ int64_t draw_below_scratch_bytes();
 void draw_below(const float* row, int64_t limit, float below, float at_least, double inv_temperature,
                 double max_scaled, double target, void* scratch, int32_t* out, void* stream);
 
+// ---- Mixture-of-experts layers (model/moe.h has the math; moe.cu the kernels). A pass of T rows, each
+// routed to k of E experts, is planned as entries (row t, slot s) = t * k + s, grouped by expert into tasks
+// of at most kMoeTaskRows entries: each task reads its expert's weights once for all its entries, and every
+// entry's arithmetic is the same whichever entries share its task (batch-invariant, as above).
+
+// All experts' matrices of one kind (gate, up or down projection), each a Matrix of the same type, shape and
+// quantization whose pointers are in `table` (device memory, one ExpertPointers per expert).
+struct ExpertPointers {
+  const void* data = nullptr;
+  const void* scales = nullptr;  // affine only
+  const void* biases = nullptr;
+};
+struct ExpertMatrices {
+  Dtype type = Dtype::kBF16;
+  int64_t rows = 0, cols = 0;
+  int bits = 0;
+  int64_t group_size = 0;
+  Dtype scale_type = Dtype::kBF16;  // kBF16 or kF32
+  const ExpertPointers* table = nullptr;
+};
+inline constexpr int64_t kMoeTaskRows =
+    16;  // more than a verify window's rows: a window reads an expert once
+inline constexpr int64_t kMoeMaxExperts = 1024;
+inline constexpr int64_t kMoeMaxTopK = 32;
+
+// Whether the MoE kernels take experts of this kind and this many experts routed per row; "" when they do.
+const char* moe_unsupported(const ExpertMatrices& m, int64_t experts, int64_t k);
+
+// The plan of a pass: bytes of device memory it needs, and the most tasks it can hold (the grids of the
+// expert products are sized by it, so a captured pass replays for any routing).
+int64_t moe_plan_bytes(int64_t t_count, int64_t k, int64_t experts);
+int64_t moe_max_tasks(int64_t t_count, int64_t k, int64_t experts);
+// Routing of T rows of router logits [T, E] (float32): per row p = softmax(logits) in float32, the k
+// largest p in torch.topk's order (descending; where the k-th and (k+1)-th largest tie, the choice CPU
+// torch.topk makes: util/libstdcxx_select.h), then w = p / sum of the chosen p (summed in that order).
+// chosen, weights: [T, k], each row's experts stored in ascending index order (moe_combine's order). Then the
+// plan: the entries grouped by expert into tasks. traffic (4 x uint64, device memory, or null): += 1 block,
+// += T rows, += the distinct experts chosen, and the most distinct experts of one call (model/state.h,
+// ExpertTraffic).
+void moe_route(const float* logits, int64_t t_count, int64_t experts, int64_t k, int32_t* chosen,
+               float* weights, void* plan, unsigned long long* traffic, void* stream);
+// act[t * k + s, :I] = silu(x[t] gate_e^T) * (x[t] up_e^T) for every entry, e = chosen[t, s]; x: [T, H].
+void moe_expert_swiglu(const ExpertMatrices& gate, const ExpertMatrices& up, const void* plan,
+                       int64_t t_count, int64_t k, int64_t experts, const float* x, float* act, void* stream);
+// y[entry, :H] = act[entry] down_e^T for every entry.
+void moe_expert_down(const ExpertMatrices& down, const void* plan, int64_t t_count, int64_t k,
+                     int64_t experts, const float* act, float* y, void* stream);
+// x[t] += (sum over s < k, i.e. t's chosen experts in ascending index, of weights[t, s] * y[t * k + s])
+//         + sigmoid(shared_gate[t]) * shared[t]    (x, shared: [T, H]; shared_gate: [T])
+void moe_combine(float* x, const float* y, const int32_t* chosen, const float* weights, const float* shared,
+                 const float* shared_gate, int64_t t_count, int64_t k, int64_t hidden, void* stream);
+
 }  // namespace mtpx::cuda

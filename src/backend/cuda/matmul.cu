@@ -18,32 +18,6 @@
 namespace mtpx::cuda {
 namespace {
 
-// Eight consecutive weights (16- or 32-byte aligned) widened to float32.
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float out[8]) {
-  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-  const uint32_t words[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = __uint_as_float(words[i] << 16);  // bf16 is the high half of a float32
-    out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ void load8(const __half* p, float out[8]) {
-  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(h[i]);
-    out[2 * i] = f.x, out[2 * i + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void load8(const float* p, float out[8]) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(p)),
-               b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z,
-  out[7] = b.w;
-}
-
 // ---- matmul rows: a warp computes R output features (weight rows) for all M activation rows; lane l
 // reduces k = 8l.. in strides of 256, then a fixed butterfly. Row m's arithmetic (its own accumulator,
 // the same k order) does not depend on M or on which features share the warp: batch-invariant.
