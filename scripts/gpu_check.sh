@@ -21,7 +21,7 @@ status=0
 if [ "$bin" != build ] && [ ! -e build/mtpx ]; then mkdir -p build && ln -s "$(realpath "$bin")/mtpx" build/mtpx; fi
 # The 4-bit row kernels quantize the activations to int8 on both sides by default (quant_matmul.h,
 # affine.cu); the quantized tests run again with float activations on both sides.
-"$bin/mtpx_tests" --gtest_filter='Cuda*:*CudaFixture*:*CudaQuantized*' --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" || status=1
+"$bin/mtpx_tests" --gtest_filter='Cuda*:*CudaFixture*:*CudaQuantized*:*CudaMoeFixture*' --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log" || status=1
 MTPX_AFFINE_ACTIVATIONS=f32 "$bin/mtpx_tests" --gtest_filter='*CudaQuantized*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
 # 4-bit products of few rows split each row over 2 warps by default (affine.cu, int8_slices); again with one.
 MTPX_INT8_SLICES=1 "$bin/mtpx_tests" --gtest_filter='Cuda.FourBit*:*CudaQuantized*' --gtest_brief=1 2>&1 | tee -a "$out/gpu_tests.log" || status=1
