@@ -4,7 +4,8 @@
 #   scripts/gpu_check.sh [BIN_DIR] [--quick]
 #
 # BIN_DIR holds mtpx, mtpx_tests and bench_cuda (a build directory, or a folder of binaries carried from
-# the build machine with their shared libraries in BIN_DIR/lib). --quick skips the 9B benchmarks. The
+# the build machine with their shared libraries in BIN_DIR/lib). --quick runs the 0.8B benchmark alone (35B-A3B-L8: the
+# MoE shape's first 8 layers, synthesized in memory). The
 # 4-bit 9B benchmark runs on a checkpoint written first by `mtpx synth --bits 4` (about 5.5 GB in $TMPDIR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +38,7 @@ passed=$(grep -c '^\[       OK \]' "$out/gpu_tests.log" || true)
 failed=$(grep -c '^\[  FAILED  \]' "$out/gpu_tests.log" || true)
 passed=$(grep -oP '\[  PASSED  \] \K[0-9]+' "$out/gpu_tests.log" | awk '{s += $1} END {print s + 0}')
 
-shapes="0.8B 9B 9B-q4"
+shapes="0.8B 9B 9B-q4 35B-A3B-L8"
 [ "$quick" = "--quick" ] && shapes="0.8B"
 for s in $shapes; do
   shape_args "$bin" "$s" || status=1
@@ -48,8 +49,8 @@ python3 - "$out" "$passed" "$failed" $shapes <<'PY'
 import json, sys, os
 out, passed, failed, shapes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 print(f"\nGPU tests: {passed} passed, {failed} failed")
-print("| shape | copy GB/s | decode tok/s | roofline tok/s | fraction | c(1) | c(3) | c(7) | c(1) / c(3) argmax | decode at 4096 / 32768 context | prefill tok/s | prefill / GEMM | MTP best (K) | MTP best, draft vocab (K) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| shape | copy GB/s | decode tok/s | roofline tok/s | fraction | c(1) | c(3) | c(7) | c(1) / c(3) argmax | decode at 4096 / 32768 context | prefill tok/s | prefill / GEMM | MTP best (K) | MTP best, draft vocab (K) | MoE experts a layer, K = 0 / 1 / 3 |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for s in shapes:
     p = os.path.join(out, f"bench_{s}.json")
     try:
@@ -68,7 +69,8 @@ for s in shapes:
           f"{at_context} | "
           f"{r.get('prefill_tok_s', 0):.0f} | {r.get('prefill_fraction_of_gemm', 0):.2f} | "
           f"{best['speedup']:.2f}x (K={best['draft']}) | "
-          f"{best_vocab['speedup']:.2f}x (K={best_vocab['draft']}, {vocab.get('draft_vocab', '-')}) |")
+          f"{best_vocab['speedup']:.2f}x (K={best_vocab['draft']}, {vocab.get('draft_vocab', '-')}) | "
+          f"{' / '.join('%.1f' % r['experts_per_layer_pass'][k] for k in ('0', '1', '3')) if 'experts_per_layer_pass' in r else '-'} |")
 print("\nDecoding per sampler, tok/s (draws below the top ids / rows fetched whole / single logits fetched; MTP: acceptance)")
 names = None
 for s in shapes:
