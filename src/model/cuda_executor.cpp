@@ -302,6 +302,15 @@ CudaExecutor::CudaExecutor(const Model& model) : config_(model.config()) {
          "--device cuda: {} attention heads over {} key-value heads is not supported (at most 16 per group)",
          c.num_attention_heads, c.num_kv_heads);
   const ModelWeights& w = model.weights();
+  // A model whose matrices alone exceed the GPU's free memory cannot be uploaded: say so before copying
+  // tens of GB only to fail at the last allocation (a MoE model's experts all live on the device).
+  const int64_t matrices = w.matrix_bytes + (model.mtp() != nullptr ? model.mtp()->matrix_bytes : 0);
+  if (matrices > info.free_bytes)
+    fail(ErrorKind::kUnsupported,
+         "--device cuda: the weights take {:.1f} GiB, more than the {:.1f} GiB free on the GPU ({}); a "
+         "quantized checkpoint (mtpx quantize) may fit, or --device cpu runs it from the mapped files",
+         static_cast<double>(matrices) / (1 << 30), static_cast<double>(info.free_bytes) / (1 << 30),
+         info.name);
   embed_tokens_ = upload(w.embed_tokens, "embed_tokens");
   lm_head_ = upload(w.lm_head, "lm_head");
   final_norm_ = upload(w.final_norm);
