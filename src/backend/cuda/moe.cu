@@ -5,9 +5,10 @@
 // values summed in order, then the fixed butterfly), then k rounds of a warp argmax (larger value first,
 // lower index on equal values) and one more for the (k+1)-th value. torch.topk's CPU order only matters
 // where it changes which experts are chosen: where the k-th and (k+1)-th probabilities are equal (or a
-// probability is NaN). Equal values inside the top k come out in some order, but they weigh the same and
-// their sum takes the same operands in the same order. Such a row is routed again by one lane running
-// libstdc++'s algorithms as ATen does (util/libstdcxx_select.h).
+// probability is NaN), one lane routes the row again with libstdc++'s algorithms as ATen runs them
+// (util/libstdcxx_select.h). Equal values inside the top k may come out in another order than torch's, but
+// they weigh the same and their sum takes the same operands in the same order. The chosen experts are
+// stored in ascending index order, the order the weighted sum adds them in (transformers' expert loop).
 //
 // Plan: the (row, slot) entries counted per expert (shared-memory atomics), then a block scan over the
 // experts gives each its entries' place and its tasks (runs of at most kMoeTaskRows entries). Which entries
