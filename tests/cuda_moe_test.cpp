@@ -22,6 +22,7 @@
 #endif
 #include "cli_util.h"
 #include "decode/generate.h"
+#include "gpu_test_util.h"
 #include "io/safetensors.h"
 #include "model/device.h"
 #include "model/qwen35.h"
@@ -31,35 +32,13 @@
 #include "util/bf16.h"
 #include "util/error.h"
 
-// Its own namespace: the unity build compiles this file with cuda_test.cpp, whose helpers have these names.
+// Its own namespace: the unity build compiles this file with cuda_test.cpp.
 namespace mtpx::cuda_moe_test {
 namespace {
 
 using test_paths::kFixtures;
 
-std::unique_ptr<Model> on_gpu(const std::filesystem::path& dir, std::string& why) {
-  auto model = Model::load(dir);
-  try {
-    model->use_device("cuda");
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::kUnsupported) throw;
-    why = e.what();
-    return nullptr;
-  }
-  return model;
-}
-
-#define MTPX_MOE_GPU_MODEL(var, dir) \
-  std::string why_##var;             \
-  auto var = on_gpu(dir, why_##var); \
-  if (!var) GTEST_SKIP() << why_##var;
-
-std::vector<int32_t> prompt_for(const Model& m, int64_t n) {
-  std::vector<int32_t> ids;
-  for (int64_t i = 0; i < n; ++i)
-    ids.push_back(static_cast<int32_t>((i * 7919 + 13) % m.config().vocab_size));
-  return ids;
-}
+using testing_util::prompt_for;
 
 std::vector<float> all_logits(const Model& m, std::span<const int32_t> prompt) {
   InferenceState s = m.new_state(static_cast<int64_t>(prompt.size()));
@@ -347,7 +326,7 @@ TEST(CudaMoe, ExpertProductsAreAccurateAndBatchInvariant) {
 class CudaMoeFixture : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaMoeFixture, LogitsMatchTheCpu) {
-  MTPX_MOE_GPU_MODEL(gpu, kFixtures / GetParam());
+  MTPX_GPU_MODEL(gpu, kFixtures / GetParam());
   const auto cpu = Model::load(kFixtures / GetParam());
   for (int64_t n : {5, 40, 700}) {
     const auto prompt = prompt_for(*cpu, n);
@@ -365,7 +344,7 @@ TEST_P(CudaMoeFixture, LogitsMatchTheCpu) {
 // A verify window's rows are the decode steps bit for bit, rollback is exact, the experts read are
 // counted, and greedy MTP is token for token plain decoding for K = 1..4.
 TEST_P(CudaMoeFixture, WindowsRollbackTrafficAndGreedyMtp) {
-  MTPX_MOE_GPU_MODEL(m, kFixtures / GetParam());
+  MTPX_GPU_MODEL(m, kFixtures / GetParam());
   const int64_t V = m->config().vocab_size;
   const auto prompt = prompt_for(*m, 6);
   const std::vector<int32_t> window = {3, 1, 4, 1, 5, 9, 2};
@@ -427,7 +406,7 @@ TEST(CudaMoe, QuantizedExpertsMatchTheCpuAndKeepMtpLossless) {
   o.quant.bits = 4;
   o.quant.group_size = 32;
   tools::quantize_model(kFixtures / "moe_wrapper_fused_bf16", path, o);
-  MTPX_MOE_GPU_MODEL(gpu, path);
+  MTPX_GPU_MODEL(gpu, path);
   // Logits with float activations on both sides (MTPX_AFFINE_ACTIVATIONS=f32, read once per process: so in
   // `mtpx logits` runs): the row kernels then agree with the CPU to ~1e-6. With the default int8 activations
   // (4-bit products other than the experts') the two sides' attention and DeltaNet outputs differ by ~1%,

@@ -23,6 +23,7 @@
 #endif
 #include "cli_util.h"
 #include "decode/generate.h"
+#include "gpu_test_util.h"
 #include "io/json_file.h"
 #include "model/device.h"
 #include "model/mtp_head.h"
@@ -40,30 +41,7 @@ namespace {
 using test_paths::kDefaultModel;
 using test_paths::kFixtures;
 
-// The model on the GPU, or nullptr with the reason in `why` (no CUDA build, no device).
-std::unique_ptr<Model> on_gpu(const std::filesystem::path& dir, std::string& why) {
-  auto model = Model::load(dir);
-  try {
-    model->use_device("cuda");
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::kUnsupported) throw;
-    why = e.what();
-    return nullptr;
-  }
-  return model;
-}
-
-#define MTPX_GPU_MODEL(var, dir)     \
-  std::string why_##var;             \
-  auto var = on_gpu(dir, why_##var); \
-  if (!var) GTEST_SKIP() << why_##var;
-
-std::vector<int32_t> prompt_for(const Model& m, int64_t n) {
-  std::vector<int32_t> ids;
-  for (int64_t i = 0; i < n; ++i)
-    ids.push_back(static_cast<int32_t>((i * 7919 + 13) % m.config().vocab_size));
-  return ids;
-}
+using testing_util::prompt_for;
 
 std::vector<float> last_logits(const Model& m, std::span<const int32_t> prompt) {
   InferenceState s = m.new_state(static_cast<int64_t>(prompt.size()));
