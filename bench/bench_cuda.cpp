@@ -141,6 +141,11 @@ int main(int argc, char** argv) {
     const double gemm = cuda::bf16_gemm_rate(8192, 20);
     report["copy_bandwidth_GBs"] = copy_bw / 1e9;
     report["bf16_gemm_TFLOPs"] = gemm / 1e12;
+    // The third ceiling: the latency of one dependent kernel in a captured graph (a pass of N kernels costs
+    // at least N times it), for a one-block kernel and for a grid of one block per multiprocessor.
+    report["dependent_launch_us"] = {
+        {"1_block", cuda::dependent_launch_seconds(512, 1, 20) * 1e6},
+        {"sm_blocks", cuda::dependent_launch_seconds(512, cuda::multiprocessor_count(), 20) * 1e6}};
 
     auto t_build = Clock::now();
     auto model = model_dir.empty() ? Model::synthetic(shape_config(shape, layers), 1, /*with_mtp=*/true)

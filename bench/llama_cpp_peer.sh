@@ -45,8 +45,16 @@
 #   --spec-draft N       draft tokens per step for --spec (default 3)
 #   --spec-n N           tokens to generate for --spec (default 128)
 #   --no-bench           skip llama-bench (e.g. only --spec)
-#   --cuda               CUDA build (build-cuda/, -DGGML_CUDA=ON, -ngl 99). UNTESTED here:
-#                        written for later use on a GPU machine.
+#   --cuda               CUDA build (build-cuda/, -DGGML_CUDA=ON, -ngl 99)
+#   --cuda-arch A        CMAKE_CUDA_ARCHITECTURES for --cuda (default "native": the build
+#                        machine's GPU; "90" builds for an H100/H200 on a machine without one)
+#   --build-only         download and build, then stop (e.g. to carry bin/ to a GPU machine)
+#   --src DIR            use the llama.cpp source tree in DIR (for the converter only:
+#                        convert_hf_to_gguf.py, conversion/, gguf-py/) instead of the sdist;
+#                        with --bin, nothing is downloaded or built (a GPU machine)
+#   --bin DIR            use the llama.cpp binaries in DIR (llama-bench, llama-quantize, ...)
+#                        instead of building them (a GPU machine with no network or compiler
+#                        time to spare); the source tree is still needed for the converter
 #   --ngl N              GPU layers for llama-bench/speculative (default 0 CPU, 99 --cuda)
 #   --bench-args "ARGS"  extra llama-bench arguments (e.g. "-fa on")
 #   --jobs N             build parallelism (default: nproc)
@@ -73,6 +81,10 @@ SPEC_DRAFT=3
 SPEC_N=128
 BENCH=1
 CUDA=0
+CUDA_ARCH=native
+BUILD_ONLY=0
+PREBUILT_BIN=""
+PREBUILT_SRC=""
 NGL=""
 BENCH_ARGS=""
 JOBS="$(nproc)"
@@ -99,6 +111,10 @@ while [[ $# -gt 0 ]]; do
     --spec-n) SPEC_N="$2"; shift 2 ;;
     --no-bench) BENCH=0; shift ;;
     --cuda) CUDA=1; shift ;;
+    --cuda-arch) CUDA_ARCH="$2"; shift 2 ;;
+    --build-only) BUILD_ONLY=1; shift ;;
+    --bin) PREBUILT_BIN="$2"; shift 2 ;;
+    --src) PREBUILT_SRC="$2"; shift 2 ;;
     --ngl) NGL="$2"; shift 2 ;;
     --bench-args) BENCH_ARGS="$2"; shift 2 ;;
     --jobs|-j) JOBS="$2"; shift 2 ;;
@@ -107,22 +123,35 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-[[ -n "$MODEL" ]] || die "--model DIR is required"
-MODEL="$(cd "$MODEL" && pwd)" || die "no such model dir"
-[[ -f "$MODEL/config.json" ]] || die "$MODEL/config.json not found"
-NAME="$(basename "$MODEL")"
+if [[ $BUILD_ONLY == 1 ]]; then
+  NAME=build-only
+else
+  [[ -n "$MODEL" ]] || die "--model DIR is required"
+  MODEL="$(cd "$MODEL" && pwd)" || die "no such model dir"
+  [[ -f "$MODEL/config.json" ]] || die "$MODEL/config.json not found"
+  NAME="$(basename "$MODEL")"
+fi
 mkdir -p "$WORK"
 WORK="$(cd "$WORK" && pwd)"
-[[ -n "$GGUF_DIR" ]] || GGUF_DIR="$WORK/gguf/$NAME"
-mkdir -p "$GGUF_DIR" "$WORK/results"
-GGUF_DIR="$(cd "$GGUF_DIR" && pwd)"
-STAMP="$(date +%Y%m%d-%H%M%S)"
-[[ -n "$OUT" ]] || OUT="$WORK/results/$NAME-$STAMP.json"
-RUN_DIR="$WORK/results/$NAME-$STAMP"
-mkdir -p "$RUN_DIR"
+if [[ $BUILD_ONLY == 0 ]]; then
+  [[ -n "$GGUF_DIR" ]] || GGUF_DIR="$WORK/gguf/$NAME"
+  mkdir -p "$GGUF_DIR" "$WORK/results"
+  GGUF_DIR="$(cd "$GGUF_DIR" && pwd)"
+  STAMP="$(date +%Y%m%d-%H%M%S)"
+  [[ -n "$OUT" ]] || OUT="$WORK/results/$NAME-$STAMP.json"
+  RUN_DIR="$WORK/results/$NAME-$STAMP"
+  mkdir -p "$RUN_DIR"
+fi
 if [[ -z "$NGL" ]]; then if [[ $CUDA == 1 ]]; then NGL=99; else NGL=0; fi; fi
 
 # ---------------------------------------------------------------- 1. source
+if [[ -n "$PREBUILT_SRC" ]]; then
+  LLAMA="$(cd "$PREBUILT_SRC" && pwd)" || die "--src $PREBUILT_SRC: no such directory"
+  [[ -f "$LLAMA/convert_hf_to_gguf.py" ]] || die "--src $LLAMA has no convert_hf_to_gguf.py"
+  LLAMA_COMMIT="$(cat "$LLAMA/.llama_commit" 2>/dev/null || echo unknown)"
+  VERSION_STR="llama.cpp source tree $LLAMA, ggml-org/llama.cpp@$LLAMA_COMMIT"
+  log "$VERSION_STR"
+else
 SRC_ROOT="$WORK/src"
 mkdir -p "$WORK/dl" "$SRC_ROOT"
 if [[ "$LCP_VERSION" == latest ]]; then
@@ -156,11 +185,18 @@ LLAMA_COMMIT="$(awk -v v="## [$LCP_VER]" 'index($0, v)==1 {f=1; next} f && /^## 
 [[ -n "$LLAMA_COMMIT" ]] || LLAMA_COMMIT=unknown
 VERSION_STR="llama-cpp-python $LCP_VER sdist, vendor/llama.cpp = ggml-org/llama.cpp@$LLAMA_COMMIT"
 log "$VERSION_STR"
+fi
 
 # ---------------------------------------------------------------- 2. build
 if [[ $CUDA == 1 ]]; then BUILD="$WORK/build-cuda"; else BUILD="$WORK/build-cpu"; fi
 TARGETS=(llama-bench llama-quantize)
-[[ $SPEC == 1 ]] && TARGETS+=(llama-speculative-simple)
+[[ $SPEC == 1 || $BUILD_ONLY == 1 ]] && TARGETS+=(llama-speculative-simple)
+if [[ -n "$PREBUILT_BIN" ]]; then
+  BIN="$(cd "$PREBUILT_BIN" && pwd)" || die "--bin $PREBUILT_BIN: no such directory"
+  for t in "${TARGETS[@]}"; do [[ -x "$BIN/$t" ]] || die "--bin $BIN has no $t"; done
+  BUILD="$BIN"
+  log "using the prebuilt binaries in $BIN"
+else
 # a build of another source tree (e.g. another --lcp-version) is not reused
 if [[ -f "$BUILD/CMakeCache.txt" ]] && \
    [[ "$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD/CMakeCache.txt")" != "$LLAMA" ]]; then
@@ -170,8 +206,7 @@ fi
 if [[ ! -f "$BUILD/CMakeCache.txt" ]]; then
   log "configuring llama.cpp in $BUILD ($([[ $CUDA == 1 ]] && echo CUDA || echo CPU-only), Release)"
   GPU_FLAGS=(-DGGML_CUDA=OFF)
-  # CUDA: untested in this repo so far; native arch of the build machine's GPU
-  [[ $CUDA == 1 ]] && GPU_FLAGS=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native)
+  [[ $CUDA == 1 ]] && GPU_FLAGS=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH" -DGGML_CUDA_NCCL=OFF)
   cmake -S "$LLAMA" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${GPU_FLAGS[@]}" \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
@@ -182,9 +217,14 @@ log "building ${TARGETS[*]} (-j$JOBS; up-to-date targets are reused)"
 cmake --build "$BUILD" -j"$JOBS" --target "${TARGETS[@]}" >"$BUILD.build.log" 2>&1 \
   || { tail -30 "$BUILD.build.log" >&2; die "build failed (log: $BUILD.build.log)"; }
 BIN="$BUILD/bin"
+fi
+if [[ $BUILD_ONLY == 1 ]]; then
+  echo "llama.cpp: $VERSION_STR; binaries in $BIN"
+  exit 0
+fi
 
 # ---------------------------------------------------------------- 3. python deps for the converter
-if ! "$PY" -c "import numpy, torch, safetensors, transformers, yaml, tqdm, requests, sentencepiece" 2>/dev/null; then
+if ! "$PY" -c "import numpy, torch, safetensors, transformers, yaml, sentencepiece" 2>/dev/null; then
   log "installing converter Python dependencies from PyPI (gguf itself comes from the tree's gguf-py)"
   "$PY" -m pip install -q numpy safetensors transformers pyyaml tqdm requests sentencepiece protobuf >&2
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch >&2

@@ -100,6 +100,12 @@ TEST(Cli, LogitsCommandWritesReferenceLogits) {
   CommandResult r = run("logits --model " + model.string() + " --prompt-ids " +
                         ids_of(*ref.find("prompt_1")) + " --out " + out.string());
   ASSERT_EQ(r.code, 0) << r.err;
+  // It says what it wrote: the file and each tensor's shape.
+  const int64_t n = ref.find("prompt_1")->numel();
+  EXPECT_EQ(r.out, "wrote " + out.string() + ": logits [" + std::to_string(n) + ", " +
+                       std::to_string(ref.find("logits_1")->shape[1]) + "], hidden [" + std::to_string(n) +
+                       ", " + std::to_string(ref.find("hidden_1")->shape[1]) + "], prompt [" +
+                       std::to_string(n) + "]\n");
   SafetensorsFile got(out);
   const TensorView& logits = *got.find("logits");
   const TensorView& want = *ref.find("logits_1");

@@ -1296,5 +1296,14 @@ TEST(Cuda, BuildsWithoutCudaSayWhy) {
   }
 }
 
+TEST(Cuda, AMachineWithoutAGpuSaysSo) {
+  if (!cuda_compiled_in()) GTEST_SKIP() << "CUDA is not compiled in (BuildsWithoutCudaSayWhy covers it)";
+  if (std::filesystem::exists("/proc/driver/nvidia/version"))
+    GTEST_SKIP() << "this machine has an NVIDIA driver";
+  const auto r = testing_util::run("generate --prompt-ids 1,2 --max-tokens 2 --device cuda");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(r.err, "error: --device cuda: no CUDA GPU found (no NVIDIA GPU driver on this machine)\n");
+}
+
 }  // namespace
 }  // namespace mtpx

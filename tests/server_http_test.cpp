@@ -16,6 +16,7 @@
 #include "server/thread_pool.h"
 #include "test_paths.h"
 #include "tokenizer/tokenizer.h"
+#include "util/error.h"
 
 namespace fs = std::filesystem;
 
@@ -26,9 +27,9 @@ using test_paths::kDefaultModel;
 
 class RunningServer {
  public:
-  explicit RunningServer(ServerOptions options) {
+  explicit RunningServer(ServerOptions options, int port = 0) {
     options.model_dir = kDefaultModel;
-    options.port = 0;
+    options.port = port;
     options.log_requests = false;
     if (options.draft == 0) options.draft = 1;  // MTP on with K=1, whatever a `mtpx tune` profile says
     server_ = std::make_unique<Server>(options);
@@ -39,6 +40,7 @@ class RunningServer {
     server_->stop();
     thread_.join();
   }
+  int port() const { return port_; }
   httplib::Client client() const {
     httplib::Client c("127.0.0.1", port_);
     c.set_read_timeout(60);
@@ -72,6 +74,20 @@ TEST(HttpServer, HealthModelsAndPage) {
   auto models = nlohmann::json::parse(c.Get("/v1/models")->body);
   EXPECT_EQ(models["data"][0]["id"], "default");
   EXPECT_TRUE(models["data"][0]["mtp"]["enabled"].get<bool>());
+  // The defaults a request without sampler fields gets: the shipped model's generation_config.json
+  // (T 0.7, top-p 0.95, top-k 20) and the chat max_tokens default.
+  const auto& d = models["data"][0]["defaults"];
+  EXPECT_DOUBLE_EQ(d["temperature"].get<double>(), 0.7);
+  EXPECT_DOUBLE_EQ(d["top_p"].get<double>(), 0.95);
+  EXPECT_EQ(d["top_k"], 20);
+  EXPECT_EQ(d["max_tokens"], 2048);
+  for (const char* icon : {"/favicon.ico", "/favicon.svg"}) {
+    auto r = c.Get(icon);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 200) << icon;
+    EXPECT_EQ(r->get_header_value("Content-Type"), "image/svg+xml");
+    EXPECT_EQ(r->body.rfind("<svg", 0), 0u);
+  }
   auto page = c.Get("/");
   EXPECT_EQ(page->get_header_value("Content-Type"), "text/html; charset=utf-8");
   EXPECT_NE(page->body.find("/v1/chat/completions"), std::string::npos);
@@ -150,6 +166,64 @@ TEST(HttpServer, ApiKeyAndBodyLimit) {
   EXPECT_EQ(c.Get("/health")->status, 200);  // open without the key
   const std::string big = R"({"prompt": ")" + std::string(4000, 'x') + R"("})";
   error_of(c.Post("/v1/completions", right, big, "application/json"), 413);
+}
+
+TEST(HttpServer, ChatWithoutMaxTokensStopsAtTheDefault) {
+  ServerOptions options;
+  options.max_tokens_default = 6;
+  options.parallel = 1;
+  RunningServer server(options);
+  auto r = server.client().Post(
+      "/v1/chat/completions",
+      R"({"messages": [{"role": "user", "content": "def fib(n):"}], "temperature": 0, "mtp": false})",
+      "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  auto j = nlohmann::json::parse(r->body);
+  const int64_t tokens = j["usage"]["completion_tokens"];
+  EXPECT_GE(tokens, 1);
+  EXPECT_LE(tokens, 6);  // not the rest of the 8192-token context
+  if (j["choices"][0]["finish_reason"] == "length") {
+    EXPECT_EQ(tokens, 6);
+  }
+  // An explicit max_tokens still wins over the default.
+  r = server.client().Post("/v1/chat/completions",
+                           R"({"messages": [{"role": "user", "content": "def fib(n):"}], "temperature": 0, )"
+                           R"("max_tokens": 9, "mtp": false})",
+                           "application/json");
+  ASSERT_TRUE(r);
+  j = nlohmann::json::parse(r->body);
+  if (j["choices"][0]["finish_reason"] == "length") {
+    EXPECT_EQ(j["usage"]["completion_tokens"], 9);
+  }
+  EXPECT_LE(j["usage"]["completion_tokens"].get<int64_t>(), 9);
+}
+
+TEST(HttpServer, AUsedPortIsRefusedAndAFreedOneRebindsAtOnce) {
+  int port = 0;
+  {
+    RunningServer first{ServerOptions{}};
+    port = first.port();
+    // A second server on the same port must fail to bind (no SO_REUSEPORT sharing of the port).
+    ServerOptions second;
+    second.model_dir = kDefaultModel;
+    second.port = port;
+    second.log_requests = false;
+    Server intruder(second);
+    try {
+      intruder.bind();
+      ADD_FAILURE() << "a second server bound port " << port;
+    } catch (const mtpx::Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidInput);
+      EXPECT_NE(std::string(e.what()).find(std::to_string(port)), std::string::npos) << e.what();
+    }
+    // The first still answers every request (none went to the intruder).
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(first.client().Get("/health")->status, 200);
+  }
+  // The connections above left TIME_WAIT entries on the port: SO_REUSEADDR lets a restart bind it at once.
+  RunningServer restarted(ServerOptions{}, port);
+  EXPECT_EQ(restarted.port(), port);
+  EXPECT_EQ(restarted.client().Get("/health")->status, 200);
 }
 
 TEST(LifoThreadPool, ReusesTheMostRecentlyIdleThreadAndDrainsOnShutdown) {

@@ -6,6 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <string>
 
 #include "backend/cpu/matmul.h"
 #include "backend/cpu/quant_matmul.h"
@@ -13,6 +16,7 @@
 #include "io/model_config.h"
 #include "io/safetensors.h"
 #include "model/qwen35.h"
+#include "tools/bench.h"
 #include "tools/checkpoint.h"
 #include "tools/graft.h"
 
@@ -194,28 +198,95 @@ TEST(Tools, BenchPairsPlainAndMtpAndSyntheticAcceptanceIsHonoured) {
   expect_usage_error("bench --runs 0", "--runs");
 }
 
+TEST(Tools, BenchRunsUntilItsMediansSettle) {
+  // --runs N: exactly N runs.
+  const json exact = run_json("bench --max-tokens 8 --runs 2 --draft 1 --json");
+  EXPECT_EQ(exact["protocol"]["runs"], 2);
+  EXPECT_EQ(exact["protocol"]["stopped_by"], "runs");
+  for (const auto& row : exact["results"]) EXPECT_EQ(row["tok_s_runs"].size(), 2u);
+  // By default at least 7 runs, then on until every median moved under 1% with each of the last two runs,
+  // at most 25; each row reports its spread.
+  const json r = run_json("bench --max-tokens 8 --draft 1 --json");
+  const int64_t runs = r["protocol"]["runs"];
+  EXPECT_GE(runs, 7);
+  EXPECT_LE(runs, 25);
+  const std::string stop = r["protocol"]["stopped_by"];
+  EXPECT_TRUE(stop == "settled" || (stop == "max_runs" && runs == 25)) << stop << " after " << runs;
+  for (const auto& row : r["results"]) {
+    std::vector<double> t = row["tok_s_runs"];
+    ASSERT_EQ(static_cast<int64_t>(t.size()), runs);
+    const auto [lo, hi] = std::minmax_element(t.begin(), t.end());
+    EXPECT_NEAR(row["spread"].get<double>(), (*hi - *lo) / row["tok_s_median"].get<double>(), 1e-9);
+    if (stop == "settled") {
+      // The check that stopped it: adding each of the last two runs moved the median by at most 1%.
+      const double now = tools::median_of(t);
+      t.pop_back();
+      const double before = tools::median_of(t);
+      t.pop_back();
+      EXPECT_LE(std::abs(now - before), 0.01 * now);
+      EXPECT_LE(std::abs(before - tools::median_of(t)), 0.01 * now);
+    }
+  }
+  expect_usage_error("bench --runs 5 --max-runs 3", "--max-runs");
+}
+
+// Points $XDG_CACHE_HOME (where tune saves profiles) at `dir` for the test's lifetime.
+class CacheHome {
+ public:
+  explicit CacheHome(const fs::path& dir) {
+    if (const char* v = std::getenv("XDG_CACHE_HOME")) old_ = v;
+    ::setenv("XDG_CACHE_HOME", dir.c_str(), 1);
+  }
+  ~CacheHome() {
+    if (old_)
+      ::setenv("XDG_CACHE_HOME", old_->c_str(), 1);
+    else
+      ::unsetenv("XDG_CACHE_HOME");
+  }
+
+ private:
+  std::optional<std::string> old_;
+};
+
+std::set<std::string> file_names(const fs::path& dir) {
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+  return names;
+}
+
 TEST(Tools, TuneSavesAProfileThatGenerateUsesAndStaleProfilesAreNotUsed) {
   TempDir dir;
+  const CacheHome cache(dir.path() / "cache");
   const fs::path model = copy_of_shipped(dir.path() / "m");
+  const std::set<std::string> model_files = file_names(model);
   const auto t =
       run("tune --model " + model.string() + " --max-draft 2 --max-tokens 16 --runs 1 --margin 0 --json");
   ASSERT_EQ(t.code, 0) << t.err;
   const json profile = json::parse(t.out);
-  ASSERT_TRUE(fs::exists(model / "mtpx_runtime.json"));
-  ASSERT_TRUE(fs::exists(model / "mtpx_runtime.svg"));
+  // The profile and its chart go to the cache, keyed by the model; the model directory is left as it was,
+  // and tune says where it wrote.
+  EXPECT_EQ(file_names(model), model_files);
+  const fs::path profile_path = run_json("inspect " + model.string() + " --json")["runtime_profile"]["path"];
+  EXPECT_EQ(profile_path.string().rfind((dir.path() / "cache" / "mtpx" / "profiles").string(), 0), 0u)
+      << profile_path;
+  EXPECT_NE(profile_path.parent_path().filename().string().find("m-"), std::string::npos) << profile_path;
+  ASSERT_TRUE(fs::exists(profile_path));
+  ASSERT_TRUE(fs::exists(fs::path(profile_path).replace_extension(".svg")));
+  EXPECT_NE(t.err.find(profile_path.string()), std::string::npos) << t.err;
   // Plain decoding, then K = 1 and 2 each with the whole vocabulary and with the default candidate for an
   // 8192-id vocabulary, half of it.
   ASSERT_EQ(profile["evidence"].size(), 5u);
   EXPECT_EQ(profile["draft_vocab_candidates"], json::array({4096}));
   const int64_t k = profile["draft"].get<int64_t>();
-  const json on_disk = read_json_file(model / "mtpx_runtime.json");
+  const json on_disk = read_json_file(profile_path);
   EXPECT_EQ(on_disk["draft"], k);
   EXPECT_TRUE(on_disk.contains("hardware"));
   EXPECT_EQ(run_json("inspect " + model.string() + " --json")["runtime_profile"]["status"], "valid");
-  // generate --mtp without --draft takes the tuned K (1 when the profile recommends plain decoding).
+  // generate --mtp without --draft takes the tuned K (kDefaultDraft when the profile recommends plain
+  // decoding).
   const json g =
       run_json("generate --model " + model.string() + " --prompt-ids 1,2,3 --max-tokens 8 --mtp --json");
-  EXPECT_EQ(g["stats"]["mtp"]["draft"], k > 0 ? k : 1);
+  EXPECT_EQ(g["stats"]["mtp"]["draft"], k > 0 ? k : kDefaultDraft);
   // The draft vocabulary: tune tries the candidates asked for at every K, and generate takes the
   // profile's choice unless --draft-vocab says otherwise.
   {
@@ -228,10 +299,10 @@ TEST(Tools, TuneSavesAProfileThatGenerateUsesAndStaleProfilesAreNotUsed) {
     EXPECT_EQ(p2["evidence"][2]["draft_vocab"], 1000);
     EXPECT_EQ(p2["evidence"][3]["draft_vocab"], 3000);
     EXPECT_EQ(p2["draft_vocab_candidates"], json::array({1000, 3000}));
-    json chosen = read_json_file(model / "mtpx_runtime.json");
+    json chosen = read_json_file(profile_path);
     chosen["draft"] = 2;
     chosen["draft_vocab"] = 4096;
-    tools::write_json_file(model / "mtpx_runtime.json", chosen);
+    tools::write_json_file(profile_path, chosen);
     const std::string gen =
         "generate --model " + model.string() + " --prompt-ids 1,2,3 --max-tokens 8 --mtp --json";
     const json tuned = run_json(gen)["stats"]["mtp"];
@@ -239,21 +310,21 @@ TEST(Tools, TuneSavesAProfileThatGenerateUsesAndStaleProfilesAreNotUsed) {
     EXPECT_EQ(tuned["draft_vocab"], 4096);
     EXPECT_EQ(run_json(gen + " --draft-vocab 100")["stats"]["mtp"]["draft_vocab"], 100);
     chosen["draft_vocab"] = -1;
-    tools::write_json_file(model / "mtpx_runtime.json", chosen);
+    tools::write_json_file(profile_path, chosen);
     EXPECT_EQ(run_json("inspect " + model.string() + " --json")["runtime_profile"]["status"], "invalid");
     EXPECT_EQ(run_json(gen)["stats"]["mtp"]["draft_vocab"], 0);
-    tools::write_json_file(model / "mtpx_runtime.json", on_disk);
+    tools::write_json_file(profile_path, on_disk);
   }
   // A profile from another version is stale: reported, not used.
   json stale = on_disk;
   stale["mtpx_version"] = "0.0.0-other";
   stale["draft"] = 2;
-  tools::write_json_file(model / "mtpx_runtime.json", stale);
+  tools::write_json_file(profile_path, stale);
   const json s = run_json("inspect " + model.string() + " --json")["runtime_profile"];
   EXPECT_EQ(s["status"], "stale");
   const json g2 =
       run_json("generate --model " + model.string() + " --prompt-ids 1,2,3 --max-tokens 8 --mtp --json");
-  EXPECT_EQ(g2["stats"]["mtp"]["draft"], 1);
+  EXPECT_EQ(g2["stats"]["mtp"]["draft"], kDefaultDraft);
 }
 
 TEST(Tools, GraftRestoresAStrippedHeadExactlyAndRefusesAForeignOne) {

@@ -26,7 +26,8 @@ struct BenchFlags {
   std::string prompt;
   std::string prompt_ids;
   int64_t max_tokens = 400;
-  int runs = 3;
+  std::optional<int> runs;      // exactly this many (unless --max-runs says more)
+  std::optional<int> max_runs;  // else at least kMinRuns, then until the medians settle, at most this
   std::optional<int64_t> draft;
   std::optional<int64_t> draft_vocab;
   double synthetic_acceptance = -1.0;
@@ -35,6 +36,10 @@ struct BenchFlags {
   std::string device = "cpu";
   uint64_t seed = 0;
 };
+
+// Without --runs: at least this many runs, then more until every median settles (at most kMaxRuns).
+constexpr int kMinRuns = 7;
+constexpr int kMaxRuns = 25;
 
 int run_bench_command(const BenchFlags& f) {
   set_threads(f.threads);
@@ -49,7 +54,7 @@ int run_bench_command(const BenchFlags& f) {
 
   const GenerationConfig gen = load_generation_config(dir / "generation_config.json");
   const auto tuned = tools::tuned_decoding(dir, tools::profile_device(*model));
-  int64_t draft = f.draft.value_or(tuned && tuned->draft > 0 ? tuned->draft : 2);
+  int64_t draft = f.draft.value_or(tuned && tuned->draft > 0 ? tuned->draft : kDefaultDraft);
   const int64_t draft_vocab = f.draft_vocab.value_or(tuned && tuned->draft > 0 ? tuned->draft_vocab : 0);
   const bool mtp = model->mtp() != nullptr;
   if (f.draft && !mtp)
@@ -65,8 +70,11 @@ int run_bench_command(const BenchFlags& f) {
   tools::BenchProtocol protocol;
   protocol.prompts = {prompt};
   protocol.max_tokens = f.max_tokens;
-  protocol.runs = f.runs;
+  protocol.runs = f.runs.value_or(kMinRuns);
+  protocol.max_runs = f.max_runs.value_or(f.runs ? *f.runs : kMaxRuns);
   protocol.seed = f.seed;
+  if (protocol.max_runs < protocol.runs)
+    invalid_input("--max-runs ({}) must be at least --runs ({})", protocol.max_runs, protocol.runs);
   protocol.synthetic_acceptance = f.synthetic_acceptance;
   if (f.synthetic_acceptance >= 0 && !mtp)
     invalid_input("--synthetic-acceptance: '{}' has no MTP head to draft with", dir.string());
@@ -75,6 +83,11 @@ int run_bench_command(const BenchFlags& f) {
   const auto results = tools::run_bench(*model, protocol, cases, [&](double x) { bar.update(x); });
   bar.finish();
 
+  // Why the runs stopped: the number asked for, every median settled, or the most runs allowed.
+  const int runs_done = static_cast<int>(results.front().tok_s.size());
+  const std::string stop = protocol.max_runs == protocol.runs ? "runs"
+                           : runs_done < protocol.max_runs    ? "settled"
+                                                              : "max_runs";
   nlohmann::json rows = nlohmann::json::array();
   for (const auto& r : results) {
     const auto& ar = *std::find_if(results.begin(), results.end(), [&](const tools::BenchResult& x) {
@@ -86,6 +99,7 @@ int run_bench_command(const BenchFlags& f) {
                           {"tok_s_min", r.min_tok_s},
                           {"tok_s_max", r.max_tok_s},
                           {"tok_s_runs", r.tok_s},
+                          {"spread", (r.max_tok_s - r.min_tok_s) / r.median_tok_s},
                           {"speedup_vs_plain", r.median_tok_s / ar.median_tok_s}};
     if (r.spec.draft > 0) {
       row["acceptance"] = r.mtp.acceptance();
@@ -102,7 +116,10 @@ int run_bench_command(const BenchFlags& f) {
       {"protocol",
        {{"prompt_tokens", prompt.size()},
         {"max_tokens", f.max_tokens},
-        {"runs", f.runs},
+        {"runs", runs_done},
+        {"min_runs", protocol.runs},
+        {"max_runs", protocol.max_runs},
+        {"stopped_by", stop},
         {"warmup", true},
         {"statistic", "median over runs of decode tok/s (tokens after the first / decode seconds)"},
         {"synthetic_acceptance",
@@ -115,24 +132,28 @@ int run_bench_command(const BenchFlags& f) {
     fmt::print("{}\n", report.dump(2));
     return 0;
   }
-  fmt::print("mtpx bench | {} | prompt {} tokens, {} new tokens, median of {} runs{}\n", dir.string(),
-             prompt.size(), f.max_tokens, f.runs,
+  fmt::print("mtpx bench | {} | prompt {} tokens, {} new tokens, median of {} runs ({}){}\n", dir.string(),
+             prompt.size(), f.max_tokens, runs_done,
+             stop == "runs"      ? "as asked"
+             : stop == "settled" ? "each median settled within 1%"
+                                 : "the most allowed; medians still moving",
              f.synthetic_acceptance >= 0
                  ? fmt::format(", synthetic acceptance {:.2f}", f.synthetic_acceptance)
                  : "");
   fmt::print(
-      "| sampler | decoding | tok/s (median) | min-max | vs plain | acceptance | by position | tokens/step "
-      "|\n");
-  fmt::print("|---|---|---|---|---|---|---|---|\n");
+      "| sampler | decoding | tok/s (median) | min-max | spread | vs plain | acceptance | by position | "
+      "tokens/step |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& row : rows) {
     std::string by_position;
     if (row.contains("acceptance_by_position"))
       for (double a : row["acceptance_by_position"]) by_position += fmt::format("{:.2f} ", a);
     fmt::print(
-        "| {} | {} | {:.1f} | {:.1f}-{:.1f} | {:.2f}x | {} | {}| {} |\n", row["sampler"].get<std::string>(),
+        "| {} | {} | {:.1f} | {:.1f}-{:.1f} | {:.0f}% | {:.2f}x | {} | {}| {} |\n",
+        row["sampler"].get<std::string>(),
         row["draft"].get<int64_t>() > 0 ? fmt::format("MTP K={}", row["draft"].get<int64_t>()) : "plain",
         row["tok_s_median"].get<double>(), row["tok_s_min"].get<double>(), row["tok_s_max"].get<double>(),
-        row["speedup_vs_plain"].get<double>(),
+        100.0 * row["spread"].get<double>(), row["speedup_vs_plain"].get<double>(),
         row.contains("acceptance") ? fmt::format("{:.3f}", row["acceptance"].get<double>()) : "-",
         by_position,
         row.contains("tokens_per_step") ? fmt::format("{:.2f}", row["tokens_per_step"].get<double>())
@@ -162,9 +183,18 @@ std::function<int()> add_bench_command(CLI::App& app) {
   app.add_option("--prompt", f->prompt, "prompt text (default: the built-in prompt)");
   app.add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
   app.add_option("--max-tokens", f->max_tokens, "tokens to generate per run")
-      ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
-  app.add_option("--runs", f->runs, "measured runs (after one warm-up)")->check(CLI::Range(1, 1000));
-  app.add_option("--draft", f->draft, "MTP draft depth K (default: the tuned profile's, else 2)")
+      ->check(CLI::Range(int64_t{2}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--runs", f->runs,
+                 fmt::format("measured runs after one warm-up (default: at least {}, then until every median "
+                             "moves by under 1% per run, at most {})",
+                             kMinRuns, kMaxRuns))
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--max-runs", f->max_runs,
+                 "with --runs: keep going until the medians settle, up to this many")
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--draft", f->draft,
+                 fmt::format("MTP draft depth K (default: the tuned profile's, else {})", kDefaultDraft))
       ->check(CLI::Range(int64_t{1}, int64_t{8}));
   app.add_option("--draft-vocab", f->draft_vocab,
                  "MTP drafts only from the first N token ids (the head's lm_head pass reads N rows; exact at "
@@ -174,10 +204,11 @@ std::function<int()> add_bench_command(CLI::App& app) {
                  "replace the head's drafts by the right token with this probability (greedy only)")
       ->check(CLI::Range(0.0, 1.0));
   app.add_flag("--json", f->json, "print the report as JSON");
-  app.add_option("--seed", f->seed, "sampling seed");
+  app.add_option("--seed", f->seed, "sampling seed")->capture_default_str();
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
   app.add_option("--device", f->device, "where the forward passes run: cpu or cuda")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   return [f] { return run_bench_command(*f); };
 }
 

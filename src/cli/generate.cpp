@@ -86,9 +86,10 @@ int run_generate(const GenerateFlags& f) {
   if (f.mtp) {
     if (model->mtp() == nullptr)
       invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
-    // K and the draft vocabulary: the flags; else the tuned runtime profile's (mtpx tune); else 1 and all.
+    // K and the draft vocabulary: the flags; else the tuned runtime profile's (mtpx tune); else kDefaultDraft
+    // and all.
     const auto tuned = tools::tuned_decoding(dir, tools::profile_device(*model));
-    options.draft = f.draft.value_or(tuned && tuned->draft > 0 ? tuned->draft : 1);
+    options.draft = f.draft.value_or(tuned && tuned->draft > 0 ? tuned->draft : kDefaultDraft);
     options.draft_vocab = f.draft_vocab.value_or(tuned && tuned->draft > 0 ? tuned->draft_vocab : 0);
   }
   options.stop_ids = gen.eos_token_ids;
@@ -158,23 +159,36 @@ std::function<int()> add_generate_command(CLI::App& app) {
   app.add_option("--prompt", f->prompt, "prompt text");
   app.add_option("--prompt-ids", f->prompt_ids, "prompt as comma-separated token ids");
   app.add_option("--max-tokens", f->max_tokens, "most tokens to generate")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
-  app.add_option("--temperature", f->temperature, "sampling temperature (0: greedy)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--temperature", f->temperature,
+                 "sampling temperature (0: greedy; default: the model's generation_config.json)")
       ->check(CLI::Range(0.0, 100.0));
-  app.add_option("--top-k", f->top_k, "keep the k most likely tokens (0: off)")
+  app.add_option("--top-k", f->top_k,
+                 "keep the k most likely tokens (0: off; default: generation_config.json's)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 22));
-  app.add_option("--top-p", f->top_p, "nucleus sampling mass (1: off)")->check(CLI::Range(0.0, 1.0));
-  app.add_option("--min-p", f->min_p, "drop tokens below min-p times the top probability (0: off)")
+  app.add_option("--top-p", f->top_p, "nucleus sampling mass (1: off; default: generation_config.json's)")
       ->check(CLI::Range(0.0, 1.0));
-  app.add_option("--seed", f->seed, "random seed (sample i uses seed + i)");
+  app.add_option(
+         "--min-p", f->min_p,
+         "drop tokens below min-p times the top probability (0: off; default: generation_config.json's)")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--seed", f->seed, "random seed (sample i uses seed + i)")->capture_default_str();
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
   app.add_option("--device", f->device, "where the forward passes run: cpu or cuda")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--samples", f->samples, "independent completions to draw")
-      ->check(CLI::Range(int64_t{1}, int64_t{100000}));
+      ->check(CLI::Range(int64_t{1}, int64_t{100000}))
+      ->capture_default_str();
   app.add_flag("--json", f->json, "print one JSON object (a list with --samples > 1)");
-  app.add_flag("--mtp,!--no-mtp", f->mtp, "speculative decoding with the model's MTP head (default: off)");
-  app.add_option("--draft", f->draft, "MTP draft depth K (default: the tuned profile's, else 1)")
+  app.add_flag_callback(
+      "--mtp", [f] { f->mtp = true; },
+      "speculative decoding with the model's MTP head (default: plain decoding)");
+  app.add_flag_callback(
+      "--no-mtp", [f] { f->mtp = false; }, "plain decoding (the default)");
+  app.add_option("--draft", f->draft,
+                 fmt::format("MTP draft depth K (default: the tuned profile's, else {})", kDefaultDraft))
       ->check(CLI::Range(int64_t{1}, kMaxDraft));
   app.add_option("--draft-vocab", f->draft_vocab,
                  "MTP drafts only from the first N token ids (the head's lm_head pass reads N rows; exact at "

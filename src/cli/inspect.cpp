@@ -35,7 +35,8 @@ std::function<int()> add_inspect_command(CLI::App& app) {
   app.add_option("model", f->model, "model directory (default: $MTPX_MODEL or the shipped model)");
   app.add_flag("--json", f->json, "print the report as JSON");
   app.add_option("--context", f->context, "context length for the memory estimate")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->capture_default_str();
   app.add_flag("--check-values", f->check_values,
                "read every weight and report tensors holding NaN or Inf (reads the whole checkpoint)");
   return [f] { return run_inspect(*f); };

@@ -1,5 +1,8 @@
 // mtpx logits: the float32 logits [n, V] and post-final-norm hidden states [n, H] of every prompt
 // position, written to a safetensors file (for comparison with reference implementations).
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+
 #include <cstring>
 
 #include "cli/commands.h"
@@ -59,6 +62,10 @@ int run_logits(const LogitsFlags& f) {
     tensors.push_back({"mtp_logits", DType::kF32, {n - 1, V}, bytes_of(head.logits)});
   }
   write_safetensors(f.out, tensors);
+  std::string contents;
+  for (const auto& t : tensors)
+    contents += fmt::format("{}{} [{}]", contents.empty() ? "" : ", ", t.name, fmt::join(t.shape, ", "));
+  fmt::print("wrote {}: {}\n", f.out, contents);
   return 0;
 }
 
@@ -73,7 +80,8 @@ std::function<int()> add_logits_command(CLI::App& app) {
   app.add_flag("--mtp", f->mtp, "also write mtp_logits [n-1, V]: the MTP head's teacher-forced predictions");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
   app.add_option("--device", f->device, "where the forward passes run: cpu or cuda")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   return [f] { return run_logits(*f); };
 }
 

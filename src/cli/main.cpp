@@ -2,11 +2,53 @@
 // 0 success, 2 bad input (flags, files, ids), 1 internal failure.
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
+#include <string>
+#include <vector>
 
 #include "cli/commands.h"
 #include "util/error.h"
+
+namespace {
+
+// Levenshtein distance (insertions, deletions, substitutions of one character each).
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// The command's long flag nearest to `typed` ("--promt" -> "--prompt"), or "" when none is within a
+// third of its length.
+std::string closest_flag(std::string typed, const CLI::App& command) {
+  if (const size_t eq = typed.find('='); eq != std::string::npos) typed.resize(eq);
+  if (typed.rfind("--", 0) != 0) return "";
+  std::string best;
+  size_t best_distance = std::max<size_t>(2, typed.size() / 3) + 1;
+  for (const CLI::Option* option : command.get_options()) {
+    for (const std::string& name : option->get_lnames()) {
+      const size_t d = edit_distance(typed, "--" + name);
+      if (d < best_distance) {
+        best_distance = d;
+        best = "--" + name;
+      }
+    }
+  }
+  return best;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"mtpx: Qwen3.5/Qwen3.6 inference with native multi-token-prediction speculative decoding"};
@@ -43,7 +85,18 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "error: unknown command '%s' (see mtpx --help for the commands)\n", argv[1]);
       return 2;
     }
-    std::fprintf(stderr, "error: %s\n", e.what());
+    std::string message = e.what();
+    // A mistyped flag: name the closest one the command has.
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+      CLI::App* command = app.get_subcommands().empty() ? &app : app.get_subcommands().front();
+      for (const std::string& extra : command->remaining()) {
+        if (const std::string close = closest_flag(extra, *command); !close.empty()) {
+          message += fmt::format(" (did you mean {} instead of {}?)", close, extra);
+          break;
+        }
+      }
+    }
+    std::fprintf(stderr, "error: %s\n", message.c_str());
     return 2;
   }
   try {

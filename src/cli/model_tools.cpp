@@ -74,9 +74,12 @@ std::function<int()> add_quantize_command(CLI::App& app) {
   auto f = std::make_shared<QuantizeFlags>();
   app.add_option("--model", f->model, "model directory (default: $MTPX_MODEL or the shipped model)");
   app.add_option("--out", f->out, "output model directory (must not exist)")->required();
-  app.add_option("--bits", f->bits, "bits per weight: 4, 6 or 8")->check(CLI::IsMember({4, 6, 8}));
+  app.add_option("--bits", f->bits, "bits per weight: 4, 6 or 8")
+      ->check(CLI::IsMember({4, 6, 8}))
+      ->capture_default_str();
   app.add_option("--group-size", f->group_size, "weights per scale/bias group")
-      ->check(CLI::IsMember({32, 64, 128}));
+      ->check(CLI::IsMember({32, 64, 128}))
+      ->capture_default_str();
   app.add_option("--mtp-fc-bits", f->mtp_fc_bits, "mtp.fc: 16 (bf16, default), 8 or 4")
       ->check(CLI::IsMember({16, 8, 4}));
   app.add_option("--embed-bits", f->embed_bits,
@@ -85,7 +88,8 @@ std::function<int()> add_quantize_command(CLI::App& app) {
   app.add_option("--method", f->method,
                  "scales and biases: least-squares (default: each group's smallest squared error found by a "
                  "short search) or mlx (MLX's min/max rule, bit for bit what mlx_lm.convert -q writes)")
-      ->check(CLI::IsMember({"least-squares", "mlx"}));
+      ->check(CLI::IsMember({"least-squares", "mlx"}))
+      ->capture_default_str();
   app.add_option(
       "--calibration", f->calibration,
       "least-squares: weigh each input column's error by its mean square over a text run through "
@@ -102,7 +106,8 @@ std::function<int()> add_graft_command(CLI::App& app) {
   app.add_option("--donor", f->donor, "another build of the same base model, with its MTP head")->required();
   app.add_option("--out", f->out, "output model directory (must not exist)")->required();
   app.add_option("--min-acceptance", f->min_acceptance, "refuse heads below this teacher-forced acceptance")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   app.add_flag("--force", f->force, "keep a head below the threshold; replace --out");
   app.add_flag("--json", f->json, "print the report as JSON");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));

@@ -90,12 +90,14 @@ std::function<int()> add_synth_command(CLI::App& app) {
       ->check(CLI::Range(1, 1024));
   app.add_option("--out", f->out, "output model directory (must not exist)")->required();
   app.add_option("--bits", f->bits, "16 (bf16), or 8, 6, 4 (MLX affine quantization)")
-      ->check(CLI::IsMember({16, 8, 6, 4}));
+      ->check(CLI::IsMember({16, 8, 6, 4}))
+      ->capture_default_str();
   app.add_option("--group-size", f->group_size, "quantization group size")
-      ->check(CLI::IsMember({32, 64, 128}));
+      ->check(CLI::IsMember({32, 64, 128}))
+      ->capture_default_str();
   app.add_flag("--mtp", f->mtp, "include a (random) MTP head");
   app.add_flag("--force", f->force, "replace --out if it exists");
-  app.add_option("--seed", f->seed, "random seed");
+  app.add_option("--seed", f->seed, "random seed")->capture_default_str();
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
   return [f] { return run_synth(*f); };
 }

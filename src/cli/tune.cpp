@@ -4,11 +4,12 @@
 
 #include <fmt/core.h>
 
-#include <fstream>
+#include <cstdio>
 
 #include "cli/commands.h"
 #include "cli/common.h"
 #include "io/model_config.h"
+#include "tools/checkpoint.h"
 #include "tools/progress.h"
 #include "tools/prompts.h"
 #include "tools/runtime_profile.h"
@@ -43,14 +44,10 @@ int run_tune(TuneFlags f) {
       tools::tune_draft_depth(*model, prompts, o, [&](double x) { bar.update(x); });
   bar.finish();
   const auto path = tools::save_runtime_profile(dir, profile, tools::profile_device(*model));
-  const auto svg = path.parent_path() / "mtpx_runtime.svg";
-  {
-    const auto tmp = svg.string() + ".tmp";
-    std::ofstream out(tmp, std::ios::trunc);
-    out << tools::tune_chart_svg(profile);
-    out.close();
-    std::filesystem::rename(tmp, svg);
-  }
+  auto svg = path;
+  svg.replace_extension(".svg");
+  tools::write_text_file(svg, tools::tune_chart_svg(profile));
+  std::fprintf(stderr, "tune: wrote the profile to %s and its chart to %s\n", path.c_str(), svg.c_str());
   if (f.json) {
     fmt::print("{}\n", profile.dump(2));
     return 0;
@@ -81,8 +78,7 @@ int run_tune(TuneFlags f) {
                                                            : std::string("plain"),
                              e["experts_per_layer_pass"].get<double>());
   if (!experts.empty()) fmt::print("distinct experts read per layer and decode pass: {}\n", experts);
-  fmt::print("recommendation: {}\nprofile: {}\nchart:   {}\n", profile["recommendation"].get<std::string>(),
-             path.string(), svg.string());
+  fmt::print("recommendation: {}\n", profile["recommendation"].get<std::string>());
   return 0;
 }
 
@@ -92,15 +88,21 @@ std::function<int()> add_tune_command(CLI::App& app) {
   auto f = std::make_shared<TuneFlags>();
   app.add_option("--model", f->model, "model directory (default: $MTPX_MODEL or the shipped model)");
   app.add_option("--max-draft", f->options.max_draft, "largest draft depth K to try")
-      ->check(CLI::Range(int64_t{1}, int64_t{8}));
+      ->check(CLI::Range(int64_t{1}, int64_t{8}))
+      ->capture_default_str();
   app.add_option("--sampler", f->options.sampler_name,
                  "greedy, or default (the model's generation_config sampler)")
-      ->check(CLI::IsMember({"greedy", "default"}));
+      ->check(CLI::IsMember({"greedy", "default"}))
+      ->capture_default_str();
   app.add_option("--max-tokens", f->options.max_tokens, "tokens per prompt")
-      ->check(CLI::Range(int64_t{8}, int64_t{100000}));
-  app.add_option("--runs", f->options.runs, "measured runs")->check(CLI::Range(1, 100));
+      ->check(CLI::Range(int64_t{8}, int64_t{100000}))
+      ->capture_default_str();
+  app.add_option("--runs", f->options.runs, "measured runs")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
   app.add_option("--margin", f->options.margin, "fraction by which MTP must beat plain decoding")
-      ->check(CLI::Range(0.0, 1.0));
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   app.add_option("--synthetic-acceptance", f->options.synthetic_acceptance,
                  "drafts right with this probability (random-weight models; greedy only)")
       ->check(CLI::Range(0.0, 1.0));
@@ -113,7 +115,8 @@ std::function<int()> add_tune_command(CLI::App& app) {
   app.add_flag("--json", f->json, "print the profile as JSON");
   app.add_option("--threads", f->threads, "worker threads (default: all cores)")->check(CLI::Range(1, 1024));
   app.add_option("--device", f->device, "where the forward passes run: cpu or cuda")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   return [f] { return run_tune(*f); };
 }
 

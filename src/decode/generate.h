@@ -33,6 +33,10 @@ struct GenerateOptions {
 };
 
 inline constexpr int64_t kMaxDraft = 8;
+// The draft depth every command uses when neither a flag nor `mtpx tune`'s profile for this machine says
+// (one rule for generate, bench and serve): K = 2 was the best or within noise of it on the CPU machines
+// (the shipped model, BENCHMARKS.md "mtpx tune"); GPUs prefer deeper drafts, which tune finds.
+inline constexpr int64_t kDefaultDraft = 2;
 
 // Speculative decoding counters (all zero without MTP).
 struct MtpStats {

@@ -7,5 +7,7 @@
 namespace mtpx::server {
 
 std::string_view chat_page_html();
+// The page's icon (served at /favicon.ico and /favicon.svg): an SVG.
+std::string_view chat_page_icon_svg();
 
 }  // namespace mtpx::server

@@ -150,7 +150,9 @@ struct Server::State {
       fail(ErrorKind::kUnsupported, "the model '{}' has no usable chat template ({}): use /v1/completions",
            defaults.model_id, chat_template_problem);
     const std::string prompt = chat_template->apply(chat.messages, chat.tools, chat.template_kwargs, true);
-    auto job = submit(make_generation_request(tokenizer->encode(prompt), chat.sampling, defaults, 0), res);
+    auto job = submit(make_generation_request(tokenizer->encode(prompt), chat.sampling, defaults,
+                                              options.max_tokens_default),
+                      res);
     if (!job) return;
     const ResponseHeader header = new_response_header("chatcmpl-", defaults.model_id);
     const bool parse_tool_calls = !chat.tools.is_null();
@@ -285,6 +287,7 @@ struct Server::State {
   }
 
   nlohmann::json models_json() const {
+    const SamplerParams sampler = sampler_defaults(defaults.generation);
     return {
         {"object", "list"},
         {"data",
@@ -295,6 +298,13 @@ struct Server::State {
            {"context_length", defaults.context},
            {"mtp",
             {{"available", defaults.mtp_available}, {"enabled", defaults.mtp}, {"draft", defaults.draft}}},
+           // What a request that leaves these out gets (the chat page shows them as placeholders).
+           {"defaults",
+            {{"temperature", sampler.temperature},
+             {"top_p", sampler.top_p},
+             {"top_k", sampler.top_k},
+             {"min_p", sampler.min_p},
+             {"max_tokens", std::min(options.max_tokens_default, defaults.context)}}},
            {"chat_template", chat_template.has_value()}}}}};
   }
 
@@ -302,6 +312,13 @@ struct Server::State {
     http->Get("/", route("/", false, [](const httplib::Request&, httplib::Response& res) {
                 res.set_content(std::string(chat_page_html()), "text/html; charset=utf-8");
               }));
+    // The page's icon (also where browsers look without a <link rel="icon">): no 404 in their consoles.
+    for (const char* path : {"/favicon.ico", "/favicon.svg"}) {
+      http->Get(path, route(path, false, [](const httplib::Request&, httplib::Response& res) {
+                  res.set_header("Cache-Control", "max-age=86400");
+                  res.set_content(std::string(chat_page_icon_svg()), "image/svg+xml");
+                }));
+    }
     http->Get("/health", route("/health", false, [this](const httplib::Request&, httplib::Response& res) {
                 send_json(res, 200,
                           {{"status", "ok"},
@@ -398,7 +415,7 @@ Server::Server(ServerOptions options) : state_(std::make_unique<State>()) {
   }
   if (d.draft_vocab == 0 && tuned && tuned->draft > 0) d.draft_vocab = tuned->draft_vocab;
   if (d.draft == 0) {
-    d.draft = tuned && tuned->draft > 0 ? tuned->draft : 1;
+    d.draft = tuned && tuned->draft > 0 ? tuned->draft : kDefaultDraft;
     if (tuned && tuned->draft == 0) mtp = false;
     s.draft_source = !tuned             ? "default"
                      : tuned->draft > 0 ? "tuned profile"
@@ -437,8 +454,13 @@ Server::Server(ServerOptions options) : state_(std::make_unique<State>()) {
   // httplib closes a keep-alive connection after 5 requests by default; reconnecting clients then arrive
   // in bursts. An API client reuses its connection for many requests.
   s.http->set_keep_alive_max_count(kKeepAliveMaxRequests);
+  // Not httplib's default_socket_options: it sets SO_REUSEPORT too, and then a second server on the same
+  // port also "listens" and the kernel splits connections between the two (any local process could take
+  // over a running server's port). SO_REUSEADDR alone lets a restarted server rebind at once while the old
+  // connections sit in TIME_WAIT, and a port held by a listening socket still refuses the bind.
   s.http->set_socket_options([&s](socket_t sock) {
-    httplib::default_socket_options(sock);
+    const int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     s.listen_socket = sock;
   });
   s.install_routes();
@@ -480,9 +502,11 @@ std::string Server::describe() const {
                           : !d.mtp_available
                               ? std::string("unavailable (no MTP head)")
                               : fmt::format("off ({})", s.options.mtp ? s.draft_source : "--no-mtp");
-  return fmt::format("model '{}' ({}), MTP {}, {} slots, queue {}, context {}, chat template: {}", d.model_id,
-                     s.options.model_dir.string(), mtp, s.scheduler->slots(), s.options.max_queue, d.context,
-                     s.chat_template ? "yes" : "none");
+  return fmt::format(
+      "model '{}' ({}), MTP {}, {} slots, queue {}, context {}, chat max_tokens default {}, chat template: "
+      "{}",
+      d.model_id, s.options.model_dir.string(), mtp, s.scheduler->slots(), s.options.max_queue, d.context,
+      s.options.max_tokens_default, s.chat_template ? "yes" : "none");
 }
 
 }  // namespace mtpx::server

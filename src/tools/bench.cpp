@@ -1,6 +1,7 @@
 #include "tools/bench.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <random>
 
@@ -59,9 +60,25 @@ std::vector<BenchResult> run_bench(const Model& model, const BenchProtocol& p,
     results[i].mtp.drafted_by_position.assign(k, 0);
     results[i].mtp.accepted_by_position.assign(k, 0);
   }
-  const double total_steps = static_cast<double>(p.runs) * static_cast<double>(cases.size());
+  const int most_runs = std::max(p.runs, p.max_runs);
+  const double total_steps = static_cast<double>(most_runs) * static_cast<double>(cases.size());
   std::vector<int64_t> produced_first_run(cases.size(), 0);
-  for (int run = 0; run < p.runs; ++run) {
+  // Whether adding each of the last two runs moved every case's median by at most the tolerance.
+  auto medians_settled = [&] {
+    for (const BenchResult& r : results) {
+      const size_t n = r.tok_s.size();
+      if (n < 3) return false;
+      const double now = median_of(r.tok_s);
+      const double before = median_of({r.tok_s.begin(), r.tok_s.end() - 1});
+      const double before_that = median_of({r.tok_s.begin(), r.tok_s.end() - 2});
+      if (std::abs(now - before) > p.settle_tolerance * now ||
+          std::abs(before - before_that) > p.settle_tolerance * now)
+        return false;
+    }
+    return true;
+  };
+  for (int run = 0; run < most_runs; ++run) {
+    if (run >= p.runs && medians_settled()) break;
     for (size_t ci = 0; ci < cases.size(); ++ci) {
       const BenchCase& c = cases[ci];
       BenchResult& r = results[ci];

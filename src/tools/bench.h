@@ -25,6 +25,10 @@ struct BenchProtocol {
   std::vector<std::vector<int32_t>> prompts;
   int64_t max_tokens = 400;
   int runs = 3;
+  // More than `runs`: after `runs` runs, keep going until every case's median tok/s has moved by at most
+  // `settle_tolerance` (relative) with each of the last two runs, or `max_runs` runs are done.
+  int max_runs = 0;
+  double settle_tolerance = 0.01;
   bool warmup = true;
   uint64_t seed = 0;
   // >= 0: the head's drafts are replaced by the trunk's own greedy continuation with probability A per

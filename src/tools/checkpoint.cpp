@@ -476,11 +476,15 @@ int64_t write_checkpoint_tensors(const std::filesystem::path& dir,
 }
 
 void write_json_file(const std::filesystem::path& path, const json& value) {
+  write_text_file(path, value.dump(2) + "\n");
+}
+
+void write_text_file(const std::filesystem::path& path, const std::string& text) {
   const std::filesystem::path tmp = path.string() + ".tmp-" + std::to_string(::getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) invalid_input("cannot create '{}'", tmp.string());
-    out << value.dump(2) << "\n";
+    out << text;
     out.flush();
     if (!out) fail(ErrorKind::kInternal, "cannot write '{}'", tmp.string());
   }

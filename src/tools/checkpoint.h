@@ -99,6 +99,8 @@ int64_t write_checkpoint_tensors(const std::filesystem::path& dir,
 
 // Writes a JSON file atomically (temporary file + rename).
 void write_json_file(const std::filesystem::path& path, const nlohmann::json& value);
+// Writes a text file atomically (temporary file + rename).
+void write_text_file(const std::filesystem::path& path, const std::string& text);
 
 // An output directory that appears all at once: files go into a staging directory next to the target
 // (".NAME.tmp-PID"), commit() syncs them and renames it into place; destroyed without commit() (an error),

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <ctime>
 #include <fstream>
 
@@ -30,8 +31,6 @@ std::string cpu_model_name() {
   return "unknown";
 }
 
-bool writable_directory(const std::filesystem::path& dir) { return ::access(dir.c_str(), W_OK) == 0; }
-
 }  // namespace
 
 std::string profile_device(const Model& model) {
@@ -46,11 +45,9 @@ json hardware_fingerprint(const std::string& device) {
           {"threads", omp_get_max_threads()}};
 }
 
-std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir, bool for_writing,
+std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir,
                                            const std::string& device) {
   const std::string name = device == "cpu" ? kRuntimeProfileName : "mtpx_runtime.cuda.json";
-  const auto in_model = model_dir / name;
-  if (for_writing ? writable_directory(model_dir) : std::filesystem::exists(in_model)) return in_model;
   std::filesystem::path cache;
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0')
     cache = xdg;
@@ -61,13 +58,15 @@ std::filesystem::path runtime_profile_path(const std::filesystem::path& model_di
   std::error_code ec;
   auto canonical = std::filesystem::weakly_canonical(model_dir, ec);
   if (ec) canonical = std::filesystem::absolute(model_dir);
-  const size_t hash = std::hash<std::string>{}(canonical.string());
-  return cache / "mtpx" / fmt::format("{}-{:016x}", canonical.filename().string(), hash) / name;
+  // FNV-1a, not std::hash: the directory name must not change between builds or standard libraries.
+  uint64_t hash = 1469598103934665603ull;
+  for (const unsigned char c : canonical.string()) hash = (hash ^ c) * 1099511628211ull;
+  return cache / "mtpx" / "profiles" / fmt::format("{}-{:016x}", canonical.filename().string(), hash) / name;
 }
 
 std::filesystem::path save_runtime_profile(const std::filesystem::path& model_dir, json profile,
                                            const std::string& device) {
-  const auto path = runtime_profile_path(model_dir, /*for_writing=*/true, device);
+  const auto path = runtime_profile_path(model_dir, device);
   std::error_code ec;
   std::filesystem::create_directories(path.parent_path(), ec);
   if (ec) invalid_input("cannot create '{}': {}", path.parent_path().string(), ec.message());
@@ -82,7 +81,7 @@ std::filesystem::path save_runtime_profile(const std::filesystem::path& model_di
 }
 
 json describe_runtime_profile(const std::filesystem::path& model_dir, const std::string& device) {
-  const auto path = runtime_profile_path(model_dir, /*for_writing=*/false, device);
+  const auto path = runtime_profile_path(model_dir, device);
   json out = {{"present", false}, {"path", path.string()}, {"summary", "none (run mtpx tune)"}};
   if (!std::filesystem::exists(path)) return out;
   out["present"] = true;

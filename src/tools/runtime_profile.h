@@ -1,4 +1,5 @@
-// The runtime profile `mtpx tune` saves per model and machine (mtpx_runtime.json): the draft depth K and
+// The runtime profile `mtpx tune` saves per model and machine (mtpx_runtime.json, in the user's cache
+// directory): the draft depth K and
 // draft vocabulary that measured fastest here, with the evidence. `generate`, `bench` and `serve` take
 // them from it by default. A
 // profile made on other hardware or by another mtpx version is reported as stale and not used.
@@ -26,9 +27,10 @@ std::string profile_device(const Model& model);
 // and the GPU when the device is one.
 nlohmann::json hardware_fingerprint(const std::string& device = "cpu");
 
-// Where the profile of `model_dir` lives: the model directory itself when it is writable, else
-// $XDG_CACHE_HOME/mtpx/<name>-<hash of the canonical path>/ (default ~/.cache).
-std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir, bool for_writing,
+// Where the profile of `model_dir` lives: $XDG_CACHE_HOME/mtpx/profiles/<name>-<hash of the canonical
+// path>/ (default ~/.cache), never the model directory itself, which is often a git checkout (the shipped
+// model) or a read-only download cache. The chart beside it has the same name with .svg.
+std::filesystem::path runtime_profile_path(const std::filesystem::path& model_dir,
                                            const std::string& device = "cpu");
 
 // Writes `profile` (adding version, hardware and date) atomically; returns the path written.

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """The built-in chat page (GET /) in a real headless browser: Debian's chromium + chromium-driver, driven
 by Selenium. Sends messages with MTP on and off, waits for the streamed answers, checks the per-message
-stats (tok/s, acceptance, tokens per step) and the code-block rendering, and saves a screenshot.
+stats (tok/s, acceptance, tokens per step) and the code-block rendering, and saves a screenshot. Then, at
+1366x768, 1280x720 and a 390x844 phone: after replies the page itself has not scrolled and the header and
+the message box are inside the window; the sidebar fits the window (desktop) or is collapsed behind the
+Settings button (phone); the sampler fields show the server's defaults as placeholders; the icon loads.
 
     python3 tests/server/test_chat_page.py --binary build/mtpx [--screenshot out.png]
 
@@ -63,6 +66,51 @@ def check(condition, message):
         raise AssertionError(message)
 
 
+def rect(browser, element_id):
+    return browser.execute_script(
+        "const r = document.getElementById(arguments[0]).getBoundingClientRect();"
+        "return {top: r.top, bottom: r.bottom, left: r.left, right: r.right};", element_id)
+
+
+def check_layout(browser, url, width, height, phone):
+    """Loads the page at width x height (the viewport), sends two messages, and checks what stays in view."""
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": phone})
+    browser.get(url + "/")
+    WebDriverWait(browser, 30).until(ec.text_to_be_present_in_element((By.ID, "model"), "default"))
+    size = browser.execute_script("return [window.innerWidth, window.innerHeight]")
+    check(size == [width, height], f"viewport {size}, wanted {width}x{height}")
+    if phone:  # the sampler fields are behind the Settings button
+        check(rect(browser, "sidebar")["left"] >= width, f"{width}x{height}: the sidebar is not collapsed")
+        browser.find_element(By.ID, "settings").click()
+        WebDriverWait(browser, 5).until(lambda b: rect(b, "sidebar")["right"] <= width + 0.5)
+    max_tokens = browser.find_element(By.ID, "max_tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("40")
+    browser.find_element(By.ID, "temperature").send_keys("0")
+    if phone:
+        browser.find_element(By.ID, "close_settings").click()
+        WebDriverWait(browser, 5).until(lambda b: rect(b, "sidebar")["left"] >= width - 0.5)
+    for text in ("def is_prime(n):", "Write a function that reverses a list."):
+        send_and_wait(browser, text)
+    where = f"{width}x{height}"
+    scrolled = browser.execute_script("return [window.scrollX, window.scrollY, document.scrollingElement.scrollTop]")
+    check(scrolled == [0, 0, 0], f"{where}: the page scrolled by {scrolled} (only the conversation may scroll)")
+    for element_id in ("model", "prompt", "send"):
+        r = rect(browser, element_id)
+        check(r["top"] >= 0 and r["bottom"] <= height and r["left"] >= 0 and r["right"] <= width,
+              f"{where}: #{element_id} is outside the window: {r}")
+    if not phone:
+        r = rect(browser, "sidebar")
+        check(r["top"] >= 0 and r["bottom"] <= height + 0.5 and r["right"] <= width + 0.5,
+              f"{where}: the sidebar is taller or wider than the window: {r}")
+    # The conversation scrolled to its end: the last reply's stats are visible.
+    stats = browser.find_elements(By.CSS_SELECTOR, ".message.assistant .stats")[-1]
+    bottom = browser.execute_script("return arguments[0].getBoundingClientRect().bottom", stats)
+    check(bottom <= rect(browser, "prompt")["top"], f"{where}: the last reply is not scrolled into view")
+    print(f"layout {where}: page not scrolled, header, message box and send button in view")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--binary", required=True)
@@ -108,6 +156,24 @@ def main():
 
         browser.save_screenshot(args.screenshot)
         print(f"screenshot: {args.screenshot}")
+
+        # 4. The sampler fields show the server's defaults, and the icon loads.
+        defaults = browser.execute_script(
+            "return fetch('/v1/models').then(r => r.json()).then(j => j.data[0].defaults)")
+        for key in ("temperature", "top_p", "top_k", "min_p", "max_tokens"):
+            placeholder = browser.find_element(By.ID, key).get_attribute("placeholder")
+            check(placeholder == f"default {defaults[key]}" or
+                  (isinstance(defaults[key], float) and placeholder.startswith("default ") and
+                   abs(float(placeholder.split()[1]) - defaults[key]) < 1e-9),
+                  f"#{key} placeholder {placeholder!r}, server default {defaults[key]}")
+        icon = browser.execute_script(
+            "return fetch('/favicon.ico').then(r => [r.status, r.headers.get('content-type')])")
+        check(icon == [200, "image/svg+xml"], f"/favicon.ico: {icon}")
+        check(browser.find_element(By.ID, "notice").is_displayed(), "the shipped model's notice is not shown")
+
+        # 5. Real screen sizes.
+        for width, height, phone in ((1366, 768, False), (1280, 720, False), (390, 844, True)):
+            check_layout(browser, server.url, width, height, phone)
         return 0
     except AssertionError as e:
         print(f"FAIL: {e}")

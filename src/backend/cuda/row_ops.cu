@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <type_traits>
 
@@ -148,6 +149,37 @@ void add_inplace(float* x, const float* y, int64_t n, void* stream) {
 void swiglu(const float* gate, const float* up, int64_t n, float* out, void* stream) {
   launch_pdl(swiglu_kernel, elementwise_blocks(n), 256, 0, as_stream(stream), gate, up, n, out);
   check_launch("swiglu");
+}
+
+// One link of dependent_launch_seconds' chain: block b adds one to its cell, which the previous link wrote.
+__global__ void relay_kernel(float* cells) {
+  griddep_wait();
+  griddep_launch_dependents();
+  if (threadIdx.x == 0) cells[blockIdx.x] += 1.0f;
+}
+
+double dependent_launch_seconds(int launches, int blocks, int reps) {
+  Stream s;
+  Buffer cells(static_cast<size_t>(blocks) * sizeof(float));
+  s.zero(cells.data(), static_cast<size_t>(blocks) * sizeof(float));
+  s.begin_capture();
+  for (int i = 0; i < launches; ++i)
+    launch_pdl(relay_kernel, static_cast<unsigned>(blocks), 128, 0, as_stream(s.handle()), cells.as<float>());
+  void* graph = s.end_capture();
+  s.launch_graph(graph);  // warm-up
+  s.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; r < reps; ++r) s.launch_graph(graph);
+  s.synchronize();
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  Stream::destroy_graph(graph);
+  float first = 0.0f;  // every link ran: the cell counts (reps + 1) * launches
+  s.to_host(&first, cells.data(), sizeof(float));
+  s.synchronize();
+  if (first != static_cast<float>((reps + 1) * launches))
+    fail(ErrorKind::kInternal, "dependent_launch_seconds: the chain ran {} links of {}", first,
+         (reps + 1) * launches);
+  return t / (static_cast<double>(reps) * launches);
 }
 
 }  // namespace mtpx::cuda

@@ -3,7 +3,9 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 
 #include "backend/cuda/cublas_api.h"
@@ -28,9 +30,13 @@ std::string unavailable_reason() {
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky error for later callers
+    // Without an NVIDIA kernel driver the runtime reports an "insufficient" driver; say what it means.
+    if (e == cudaErrorNoDevice ||
+        (e == cudaErrorInsufficientDriver && !std::filesystem::exists("/proc/driver/nvidia/version")))
+      return "no CUDA GPU found (no NVIDIA GPU driver on this machine)";
     return cudaGetErrorString(e);
   }
-  if (count == 0) return "no CUDA device";
+  if (count == 0) return "no CUDA GPU found";
   return cublas_load_error();
 }
 
@@ -126,6 +132,13 @@ void Stream::begin_capture() const {
 void* Stream::end_capture() const {
   cudaGraph_t graph = nullptr;
   check(cudaStreamEndCapture(as_stream(stream_), &graph), "cudaStreamEndCapture");
+  // MTPX_CUDA_GRAPH_NODES=1 prints each captured pass's kernel count (the latency floor of a pass is that
+  // count times dependent_launch_seconds).
+  if (const char* v = std::getenv("MTPX_CUDA_GRAPH_NODES"); v != nullptr && std::string(v) == "1") {
+    size_t nodes = 0;
+    if (cudaGraphGetNodes(graph, nullptr, &nodes) == cudaSuccess)
+      std::fprintf(stderr, "mtpx: captured a CUDA graph of %zu nodes\n", nodes);
+  }
   cudaGraphExec_t exec = nullptr;
   const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);

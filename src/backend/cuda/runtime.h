@@ -92,6 +92,11 @@ class Stream {
 // moved per second (read + written), and the bf16 GEMM rate (n x n x n, f32 accumulate) in FLOP/s.
 double copy_bandwidth(size_t bytes, int reps);
 double bf16_gemm_rate(int n, int reps);
+// The latency floor of a pass: seconds per kernel of a captured graph of `launches` kernels of `blocks`
+// blocks of 128 threads, each reading what the one before wrote and moving no other bytes, launched as the
+// row kernels are (launch_pdl). A pass of N dependent kernels costs at least N times this, whatever its
+// bytes (BENCHMARKS.md, "Mixture-of-experts models, GPU"). Implemented in row_ops.cu.
+double dependent_launch_seconds(int launches, int blocks, int reps);
 
 // Throws if the last kernel launch failed (launch configuration errors surface here).
 void check_launch(const char* what);
