@@ -189,7 +189,8 @@ fi
 
 # ---------------------------------------------------------------- 2. build
 if [[ $CUDA == 1 ]]; then BUILD="$WORK/build-cuda"; else BUILD="$WORK/build-cpu"; fi
-TARGETS=(llama-bench llama-quantize)
+TARGETS=(llama-quantize)
+[[ $BENCH == 1 || $BUILD_ONLY == 1 ]] && TARGETS+=(llama-bench)
 [[ $SPEC == 1 || $BUILD_ONLY == 1 ]] && TARGETS+=(llama-speculative-simple)
 if [[ -n "$PREBUILT_BIN" ]]; then
   BIN="$(cd "$PREBUILT_BIN" && pwd)" || die "--bin $PREBUILT_BIN: no such directory"

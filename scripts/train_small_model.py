@@ -178,6 +178,11 @@ def parse_args(argv=None):
     ap.add_argument("--heldout-frac", type=float, default=0.01, help="fraction of FILES held out")
     ap.add_argument("--stdlib-only", action="store_true", help="only the standard library (no site-packages)")
     ap.add_argument("--workers", type=int, default=0, help="tokenization processes (default: all cores)")
+    ap.add_argument("--chat-frac", type=float, default=0.0,
+                    help="share of the training tokens that are chat exchanges built from the training files "
+                         "(scripts/chat_examples.py: a request from a function's docstring, signature or comment, "
+                         "the function in a fenced block as the answer, <|im_end|> after it); 0: plain code only")
+    ap.add_argument("--chat-max-lines", type=int, default=40, help="longest function used as a chat answer")
     # tokenizer
     ap.add_argument("--tok-train-mb", type=float, default=30.0, help="MB of training text for the BPE trainer")
     ap.add_argument("--vocab", type=int, default=8192, help="tokenizer size incl. the 3 special tokens")
@@ -244,6 +249,8 @@ def parse_args(argv=None):
         ap.error("--distill and --mtp-steps need --head-only")
     if args.mtp_steps < 1:
         ap.error("--mtp-steps must be >= 1")
+    if not 0.0 <= args.chat_frac < 1.0:
+        ap.error("--chat-frac must be in [0, 1)")
     if args.smoke:
         given = {a.dest for a in ap._actions if a.option_strings and any(s in (argv or sys.argv[1:]) for s in
                                                                          a.option_strings)}
@@ -404,6 +411,55 @@ def encode_docs(tok, texts: list[str], workers: int, dtype) -> list[np.ndarray]:
         for part in pool.imap(_worker_encode, jobs, chunksize=1):
             out.extend(part)
     return out
+
+
+def _chat_worker(job):
+    import chat_examples
+
+    files, max_lines = job
+    return [chat_examples.examples_from_source(rel, text, max_lines) for rel, text in files]
+
+
+def chat_docs_of(files: list[tuple[str, str]], max_lines: int, workers: int) -> list[str]:
+    """The chat examples of every file (scripts/chat_examples.py), in file order; parsed by a pool of processes."""
+    jobs, cur, cur_b = [], [], 0
+    for rel, text in files:
+        cur.append((rel, text))
+        cur_b += len(text)
+        if cur_b >= 2_000_000:
+            jobs.append((cur, max_lines))
+            cur, cur_b = [], 0
+    if cur:
+        jobs.append((cur, max_lines))
+    out = []
+    if workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            for examples in _chat_worker(job):
+                out.extend(examples)
+        return out
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for part in pool.imap(_chat_worker, jobs, chunksize=1):
+            for examples in part:
+                out.extend(examples)
+    return out
+
+
+def mix_chat(code_docs: list[np.ndarray], chat_docs: list[np.ndarray], frac: float, seed: int):
+    """Code documents plus chat documents making `frac` of the tokens (the chat examples cycled in a seeded
+    random order if there are too few), shuffled together; returns the documents and the chat token count."""
+    code_tokens = sum(int(d.size) + 1 for d in code_docs)
+    target = int(frac / (1.0 - frac) * code_tokens)
+    rng = np.random.RandomState(seed)
+    chosen, total = [], 0
+    while chat_docs and total < target:
+        for i in rng.permutation(len(chat_docs)):
+            if total >= target:
+                break
+            chosen.append(chat_docs[i])
+            total += int(chat_docs[i].size) + 1
+    docs = list(code_docs) + chosen
+    order = rng.permutation(len(docs))
+    return [docs[i] for i in order], total
 
 
 def join_docs(docs: list[np.ndarray], eot: int, dtype) -> np.ndarray:
@@ -1451,6 +1507,24 @@ def main(argv=None):
     workers = args.workers or os.cpu_count() or 1
     train_docs = encode_docs(tok, [x for _, x in train_files], workers, dtype)
     held_docs = encode_docs(tok, [x for _, x in held_files], workers, dtype)
+    chat_held_stream = None
+    if args.chat_frac > 0:
+        tc0 = time.time()
+        chat_train = chat_docs_of(train_files, args.chat_max_lines, workers)
+        chat_held = chat_docs_of(held_files, args.chat_max_lines, workers)
+        chat_train_docs = encode_docs(tok, chat_train, workers, dtype)
+        chat_held_stream = join_docs(encode_docs(tok, chat_held, workers, dtype), eot, dtype)
+        ime = tok.token_to_id("<|im_end|>")
+        assert all(int(d[-2]) == ime for d in chat_train_docs[:100]), "chat examples must end with <|im_end|> \\n"
+        train_docs, chat_tokens = mix_chat(train_docs, chat_train_docs, args.chat_frac, args.seed)
+        report["chat"] = {"frac": args.chat_frac, "train_examples": len(chat_train),
+                          "train_example_tokens": int(sum(d.size for d in chat_train_docs)),
+                          "train_tokens_used": chat_tokens, "heldout_examples": len(chat_held),
+                          "heldout_tokens": int(chat_held_stream.size), "build_s": round(time.time() - tc0, 1),
+                          "example": chat_train[0] if chat_train else None}
+        log(f"chat: {len(chat_train)} train examples ({report['chat']['train_example_tokens'] / 1e6:.2f}M tokens; "
+            f"{chat_tokens / 1e6:.2f}M in the mix), {len(chat_held)} held-out, {report['chat']['build_s']}s")
+        del chat_train, chat_train_docs
     train_stream = join_docs(train_docs, eot, dtype)
     old_of_new = None
     if args.rank_vocab:
@@ -1554,6 +1628,12 @@ def main(argv=None):
 
     eval_w = all_windows[spread(args.eval_windows)]
     final_w = all_windows[spread(args.final_eval_windows)]
+    chat_w = None
+    if chat_held_stream is not None and chat_held_stream.size > T + 1:
+        ncw = chat_held_stream.size // (T + 1)
+        chat_all = torch.from_numpy(chat_held_stream[:ncw * (T + 1)].astype(np.int32)).view(ncw, T + 1).to(tdt)
+        chat_w = chat_all[torch.from_numpy(np.unique(np.linspace(0, ncw - 1, min(ncw, args.final_eval_windows))
+                                                     .round().astype(np.int64)))]
     log(f"held-out eval: {eval_w.shape[0]} windows periodic, {final_w.shape[0]} final (of {nwin})")
     report["timing"]["prep_s"] = round(time.time() - T_START, 1)
 
@@ -1587,6 +1667,12 @@ def main(argv=None):
             report["chain_eval_after_fp32_bf16_weights"] = fin_chain
             log(f"FINAL chained drafting (float32, exported bf16 weights): " + chain_summary(fin_chain))
     report["final_heldout_eval_fp32_bf16_weights"] = fin
+    if chat_w is not None:
+        with PureTorchGDN() if device.type == "cpu" else _null():
+            fin_chat = evaluate(model, head, chat_w, args.batch, args.mtp_lambda, None, device)
+        report["final_chat_heldout_eval_fp32_bf16_weights"] = fin_chat
+        log(f"FINAL held-out chat exchanges ({fin_chat['tokens']} tokens): trunk loss {fin_chat['main_loss']:.4f} "
+            f"top1 {fin_chat['main_top1']:.4f} | MTP argmax == trunk argmax {fin_chat['mtp_agrees_with_trunk_argmax']:.4f}")
     log(f"FINAL held-out (float32, exported bf16 weights, {fin['tokens']} tokens): trunk loss {fin['main_loss']:.4f} "
         f"top1 {fin['main_top1']:.4f} | MTP loss {fin['mtp_loss']:.4f} top1 {fin['mtp_top1']:.4f} | MTP argmax == "
         f"trunk argmax {fin['mtp_agrees_with_trunk_argmax']:.4f} (given trunk right "
