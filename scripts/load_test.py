@@ -8,6 +8,13 @@ aggregate decode rate.
 
     python3 scripts/load_test.py --binary build/mtpx [--clients 32 --requests 20 --max-tokens 64]
 
+With --sweep 1,2,4,8,... it runs one round per concurrency level instead (the server started with --parallel
+as large as the largest level, so no request queues) and prints, per level: aggregate tok/s, its ratio to one
+user's, per-user decode tok/s, time to first token and inter-token latency (p50 / p99), and the greedy
+mismatches (issue 44's sweep; --server-args "--no-mtp" for plain decoding):
+
+    python3 scripts/load_test.py --binary build/mtpx --sweep 1,2,4 --requests 4 --max-tokens 64
+
 Exit code 0 when every check passes.
 """
 import argparse
@@ -71,6 +78,7 @@ class Client(threading.Thread):
             else:
                 stream = self.client.completions.create(model="default", prompt=prompt, max_tokens=self.max_tokens,
                                                         temperature=0, stream=True)
+            arrivals = []
             for chunk in stream:  # ends normally only after "data: [DONE]"
                 if chunk.usage is not None:
                     usage = chunk.usage
@@ -78,15 +86,20 @@ class Client(threading.Thread):
                     continue
                 piece = chunk.choices[0].delta.content if chat else chunk.choices[0].text
                 if piece:
-                    first = first or time.perf_counter()
+                    now = time.perf_counter()
+                    first = first or now
+                    arrivals.append(now)
                     text += piece
                 finish = chunk.choices[0].finish_reason or finish
+            record["itl"] = [b - a for a, b in zip(arrivals, arrivals[1:])]
         except Exception as e:  # noqa: BLE001 - every failure is a counted error
             record["error"] = f"{type(e).__name__}: {e}"
         record["latency"] = time.perf_counter() - t0
         record["ttft"] = (first or time.perf_counter()) - t0
         record["complete"] = finish is not None and usage is not None
         record["tokens"] = usage.completion_tokens if usage else 0
+        decode_s = record["latency"] - record["ttft"]
+        record["user_tok_s"] = (record["tokens"] - 1) / decode_s if decode_s > 0 and record["tokens"] > 1 else 0.0
         record["match"] = text == self.expected[(prompt, chat)]
         return record
 
@@ -114,8 +127,11 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--parallel", type=int, default=4, help="the server's --parallel")
     parser.add_argument("--server-args", default="", help="more mtpx serve flags, space separated")
+    parser.add_argument("--sweep", default="", help="concurrency levels, comma-separated (e.g. 1,2,4,8)")
     args = parser.parse_args()
     binary = os.path.abspath(args.binary)
+    if args.sweep:
+        return sweep(args, binary)
 
     print(f"expected outputs: mtpx generate on {len(PROMPTS)} prompts x (completion, chat)")
     expected = {}
@@ -171,6 +187,46 @@ def main():
     for r in (errors + incomplete + mismatches)[:5]:
         print("example failure:", {k: r[k] for k in ("prompt", "chat", "error", "complete", "match")})
     ok = not errors and not incomplete and not mismatches and abs(growth) <= 0.05 and code == 0
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def sweep(args, binary):
+    levels = [int(x) for x in args.sweep.split(",")]
+    print(f"expected outputs: mtpx generate on {len(PROMPTS)} prompts x (completion, chat)")
+    expected = {}
+    for p in PROMPTS:
+        expected[(p, False)] = expected_text(binary, p, args.max_tokens)
+        expected[(p, True)] = expected_text(binary, chat_prompt(p), args.max_tokens)
+    server = MtpxServer(binary, "--quiet", "--parallel", str(max(levels)), *args.server_args.split())
+    rows, ok = [], True
+    try:
+        print(server.lines[0].strip())
+        run_round(server.url, max(levels), 1, args.max_tokens, expected)  # warm-up
+        for c in levels:
+            results, wall = run_round(server.url, c, args.requests, args.max_tokens, expected)
+            bad = [r for r in results if r["error"] or not r["complete"] or not r["match"]]
+            ok = ok and not bad
+            itl = [x for r in results for x in r.get("itl", [])]
+            ttft = [r["ttft"] for r in results]
+            tokens = sum(r["tokens"] for r in results)
+            rows.append({"users": c, "requests": len(results), "aggregate_tok_s": tokens / wall,
+                         "user_tok_s_p50": statistics.median(r["user_tok_s"] for r in results),
+                         "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+                         "itl_p50_ms": 1e3 * percentile(itl, 50) if itl else 0.0,
+                         "itl_p99_ms": 1e3 * percentile(itl, 99) if itl else 0.0, "failures": len(bad)})
+    finally:
+        code = server.stop()
+    base = rows[0]["aggregate_tok_s"] if rows else 1.0
+    print(f"| users | aggregate tok/s | vs {levels[0]} user(s) | per-user tok/s (p50) | TTFT p50 / p99 ms | "
+          f"inter-token p50 / p99 ms | failures |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['users']} | {r['aggregate_tok_s']:.1f} | {r['aggregate_tok_s'] / base:.2f}x | "
+              f"{r['user_tok_s_p50']:.1f} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+              f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['failures']} |")
+    print(json.dumps(rows))
+    ok = ok and code == 0
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
