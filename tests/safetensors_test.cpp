@@ -400,6 +400,32 @@ TEST_F(SafetensorsFileTest, AcceptsEdgeCases) {
   EXPECT_EQ(file.find("e")->numel(), 0);
 }
 
+TEST_F(SafetensorsFileTest, AHeaderThatMisalignsTheTensorsIsReadIntoAlignedMemory) {
+  // mlx 0.32's writer does not pad the header to 8 bytes: with an odd header length every bf16 tensor sits
+  // at an odd address in the mapping, where the kernels' element loads are undefined. Such a file's tensors
+  // are read into memory whose data section starts on 64 bytes; a padded file stays mapped, uncopied.
+  const std::string header = R"({"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]},)"
+                             R"( "s": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}})";
+  const std::string data("\x80\x3f\x00\x40\x40\x40\xee\xee\x00\x00\x80\x3f", 12);
+  const std::string odd_header = header.size() % 2 == 0 ? header + " " : header;      // 8 + length odd
+  const std::string padded = header + std::string((8 - header.size() % 8) % 8, ' ');  // a multiple of 8
+  for (const bool odd : {true, false}) {
+    const std::string& h = odd ? odd_header : padded;
+    write_raw(dir_ / "m.safetensors", h, data);
+    const SafetensorsFile file(dir_ / "m.safetensors");
+    EXPECT_EQ(file.copied_for_alignment(), odd) << h.size();
+    for (const char* name : {"w", "s"}) {
+      const TensorView& t = *file.find(name);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype), 0u) << name;
+      if (odd) {
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(file.find("w")->data) % 64, 0u);
+      }
+    }
+    EXPECT_EQ(to_string(*file.find("w")), data.substr(0, 6));
+    EXPECT_EQ(to_string(*file.find("s")), data.substr(8, 4));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Model directories
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -351,6 +352,25 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
   SafetensorsTable table = parse_safetensors({file_->data(), file_->size()}, path);
   tensors_ = std::move(table.tensors);
   metadata_ = std::move(table.metadata);
+  // A header whose length is not padded to a multiple of 8 bytes (the safetensors reference writer pads it;
+  // mlx 0.32's mx.save_safetensors does not) leaves every tensor off its element alignment: an odd address
+  // for bf16. The kernels read elements with ordinary loads, undefined at such addresses. Such a file is
+  // read into a buffer whose data section starts on a 64-byte boundary, and the mapping is released: the
+  // tensors then cost resident memory instead of page cache (no copy is made of an aligned file).
+  const bool misaligned = std::any_of(tensors_.begin(), tensors_.end(), [](const auto& entry) {
+    return reinterpret_cast<uintptr_t>(entry.second.data) % dtype_size(entry.second.dtype) != 0;
+  });
+  if (!misaligned) return;
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(file_->data()[i]);
+  const size_t shift = (64 - (8 + header_len) % 64) % 64;  // file offset 8 + header_len lands on 64 bytes
+  const size_t bytes = (shift + file_->size() + 63) / 64 * 64;
+  aligned_copy_.reset(static_cast<std::byte*>(std::aligned_alloc(64, bytes)));
+  if (!aligned_copy_)
+    fail(ErrorKind::kInternal, "out of memory reading '{}' ({} bytes)", path.string(), bytes);
+  std::memcpy(aligned_copy_.get() + shift, file_->data(), file_->size());
+  for (auto& [name, view] : tensors_) view.data = aligned_copy_.get() + shift + (view.data - file_->data());
+  file_->release_pages();
 }
 
 const TensorView* SafetensorsFile::find(std::string_view name) const {

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -78,9 +79,16 @@ class SafetensorsFile {
   const TensorView* find(std::string_view name) const;
   void release_pages() const { file_->release_pages(); }
   size_t size() const { return file_->size(); }
+  // Whether the tensors live in a copy of the file rather than its mapping (a header that leaves them
+  // misaligned; see the constructor).
+  bool copied_for_alignment() const { return aligned_copy_ != nullptr; }
 
  private:
+  struct FreeAligned {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
   std::unique_ptr<MappedFile> file_;
+  std::unique_ptr<std::byte, FreeAligned> aligned_copy_;
   std::map<std::string, TensorView> tensors_;
   std::map<std::string, std::string> metadata_;
 };
