@@ -1621,19 +1621,18 @@ def main(argv=None):
     tdt = torch.int32
     train_t = torch.from_numpy(train_stream.astype(np.int32)).to(device)
     nwin = held_stream.size // (T + 1)
-    all_windows = torch.from_numpy(held_stream[:nwin * (T + 1)].astype(np.int32)).view(nwin, T + 1).to(tdt)
-    # windows spread evenly over the whole held-out stream (not just its first files)
-    def spread(k):
-        return torch.from_numpy(np.unique(np.linspace(0, nwin - 1, min(nwin, k)).round().astype(np.int64)))
 
-    eval_w = all_windows[spread(args.eval_windows)]
-    final_w = all_windows[spread(args.final_eval_windows)]
+    def windows(stream, k):
+        """k windows of T + 1 tokens spread evenly over the whole stream (not just its first files)."""
+        n = stream.size // (T + 1)
+        all_w = torch.from_numpy(stream[:n * (T + 1)].astype(np.int32)).view(n, T + 1).to(tdt)
+        return all_w[torch.from_numpy(np.unique(np.linspace(0, n - 1, min(n, k)).round().astype(np.int64)))]
+
+    eval_w = windows(held_stream, args.eval_windows)
+    final_w = windows(held_stream, args.final_eval_windows)
     chat_w = None
     if chat_held_stream is not None and chat_held_stream.size > T + 1:
-        ncw = chat_held_stream.size // (T + 1)
-        chat_all = torch.from_numpy(chat_held_stream[:ncw * (T + 1)].astype(np.int32)).view(ncw, T + 1).to(tdt)
-        chat_w = chat_all[torch.from_numpy(np.unique(np.linspace(0, ncw - 1, min(ncw, args.final_eval_windows))
-                                                     .round().astype(np.int64)))]
+        chat_w = windows(chat_held_stream, args.final_eval_windows)
     log(f"held-out eval: {eval_w.shape[0]} windows periodic, {final_w.shape[0]} final (of {nwin})")
     report["timing"]["prep_s"] = round(time.time() - T_START, 1)
 

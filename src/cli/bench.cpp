@@ -53,9 +53,10 @@ int run_bench_command(const BenchFlags& f) {
     prompt = resolve_prompt(f.prompt, f.prompt_ids, tokenizer, dir, model->config().vocab_size);
 
   const GenerationConfig gen = load_generation_config(dir / "generation_config.json");
-  const auto tuned = tools::tuned_decoding(dir, tools::profile_device(*model));
-  int64_t draft = f.draft.value_or(tuned && tuned->draft > 0 ? tuned->draft : kDefaultDraft);
-  const int64_t draft_vocab = f.draft_vocab.value_or(tuned && tuned->draft > 0 ? tuned->draft_vocab : 0);
+  const tools::TunedDecoding tuned =
+      tools::decoding_or_default(tools::tuned_decoding(dir, tools::profile_device(*model)));
+  int64_t draft = f.draft.value_or(tuned.draft);
+  const int64_t draft_vocab = f.draft_vocab.value_or(tuned.draft_vocab);
   const bool mtp = model->mtp() != nullptr;
   if (f.draft && !mtp)
     invalid_input("--draft: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);

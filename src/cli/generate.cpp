@@ -88,9 +88,10 @@ int run_generate(const GenerateFlags& f) {
       invalid_input("--mtp: '{}' has no usable MTP head: {}", dir.string(), model->mtp_status().detail);
     // K and the draft vocabulary: the flags; else the tuned runtime profile's (mtpx tune); else kDefaultDraft
     // and all.
-    const auto tuned = tools::tuned_decoding(dir, tools::profile_device(*model));
-    options.draft = f.draft.value_or(tuned && tuned->draft > 0 ? tuned->draft : kDefaultDraft);
-    options.draft_vocab = f.draft_vocab.value_or(tuned && tuned->draft > 0 ? tuned->draft_vocab : 0);
+    const tools::TunedDecoding d =
+        tools::decoding_or_default(tools::tuned_decoding(dir, tools::profile_device(*model)));
+    options.draft = f.draft.value_or(d.draft);
+    options.draft_vocab = f.draft_vocab.value_or(d.draft_vocab);
   }
   options.stop_ids = gen.eos_token_ids;
   for (int32_t id : model->config().eos_token_ids) options.stop_ids.push_back(id);

@@ -246,7 +246,8 @@ SafetensorsTable parse_safetensors(std::span<const std::byte> bytes, const std::
                                   fmt::format("invalid safetensors file '{}': header", printable_path(path)));
   if (!header.is_object()) bad_file(path, "header is not a JSON object");
 
-  const std::byte* data_section = bytes.data() + 8 + header_len;
+  table.data_offset = 8 + header_len;
+  const std::byte* data_section = bytes.data() + table.data_offset;
   const uint64_t data_size = file_size - 8 - header_len;
 
   struct Range {
@@ -361,15 +362,14 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path)
     return reinterpret_cast<uintptr_t>(entry.second.data) % dtype_size(entry.second.dtype) != 0;
   });
   if (!misaligned) return;
-  uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(file_->data()[i]);
-  const size_t shift = (64 - (8 + header_len) % 64) % 64;  // file offset 8 + header_len lands on 64 bytes
-  const size_t bytes = (shift + file_->size() + 63) / 64 * 64;
+  const std::byte* section = file_->data() + table.data_offset;
+  const size_t section_bytes = file_->size() - table.data_offset;
+  const size_t bytes = std::max<size_t>(64, (section_bytes + 63) / 64 * 64);
   aligned_copy_.reset(static_cast<std::byte*>(std::aligned_alloc(64, bytes)));
   if (!aligned_copy_)
     fail(ErrorKind::kInternal, "out of memory reading '{}' ({} bytes)", path.string(), bytes);
-  std::memcpy(aligned_copy_.get() + shift, file_->data(), file_->size());
-  for (auto& [name, view] : tensors_) view.data = aligned_copy_.get() + shift + (view.data - file_->data());
+  std::memcpy(aligned_copy_.get(), section, section_bytes);
+  for (auto& [name, view] : tensors_) view.data = aligned_copy_.get() + (view.data - section);
   file_->release_pages();
 }
 

@@ -66,6 +66,7 @@ class MappedFile {
 struct SafetensorsTable {
   std::map<std::string, TensorView> tensors;
   std::map<std::string, std::string> metadata;
+  uint64_t data_offset = 0;  // where the data section starts in the file: 8 + the header's length
 };
 SafetensorsTable parse_safetensors(std::span<const std::byte> bytes, const std::filesystem::path& file);
 

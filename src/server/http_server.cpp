@@ -415,9 +415,10 @@ Server::Server(ServerOptions options) : state_(std::make_unique<State>()) {
     } catch (const std::exception&) {
     }
   }
-  if (d.draft_vocab == 0 && tuned && tuned->draft > 0) d.draft_vocab = tuned->draft_vocab;
+  const tools::TunedDecoding chosen = tools::decoding_or_default(tuned);
+  if (d.draft_vocab == 0) d.draft_vocab = chosen.draft_vocab;
   if (d.draft == 0) {
-    d.draft = tuned && tuned->draft > 0 ? tuned->draft : kDefaultDraft;
+    d.draft = chosen.draft;
     if (tuned && tuned->draft == 0) mtp = false;
     s.draft_source = !tuned             ? "default"
                      : tuned->draft > 0 ? "tuned profile"

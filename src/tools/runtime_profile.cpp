@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "backend/cpu/matmul.h"
+#include "decode/generate.h"
 #include "io/model_config.h"
 #include "model/qwen35.h"
 #include "tools/checkpoint.h"
@@ -138,6 +139,11 @@ std::optional<TunedDecoding> tuned_decoding(const std::filesystem::path& model_d
   const json d = describe_runtime_profile(model_dir, device);
   if (d.value("status", "") != "valid") return std::nullopt;
   return TunedDecoding{d["draft"].get<int64_t>(), d["draft_vocab"].get<int64_t>()};
+}
+
+TunedDecoding decoding_or_default(const std::optional<TunedDecoding>& tuned) {
+  if (tuned && tuned->draft > 0) return *tuned;
+  return {kDefaultDraft, 0};
 }
 
 }  // namespace mtpx::tools

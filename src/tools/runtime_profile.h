@@ -49,5 +49,8 @@ struct TunedDecoding {
 };
 std::optional<TunedDecoding> tuned_decoding(const std::filesystem::path& model_dir,
                                             const std::string& device = "cpu");
+// The one rule generate, bench and serve follow when no flag says: the profile's K and draft vocabulary
+// where it chose MTP, else kDefaultDraft (decode/generate.h) and the whole vocabulary.
+TunedDecoding decoding_or_default(const std::optional<TunedDecoding>& tuned);
 
 }  // namespace mtpx::tools

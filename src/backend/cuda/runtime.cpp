@@ -34,10 +34,12 @@ std::string unavailable_reason() {
     if (e == cudaErrorNoDevice ||
         (e == cudaErrorInsufficientDriver && !std::filesystem::exists("/proc/driver/nvidia/version")))
       return "no CUDA GPU found (no NVIDIA GPU driver on this machine)";
-    return cudaGetErrorString(e);
+    return fmt::format("no usable GPU ({})", cudaGetErrorString(e));
   }
   if (count == 0) return "no CUDA GPU found";
-  return cublas_load_error();
+  if (const std::string cublas = cublas_load_error(); !cublas.empty())
+    return fmt::format("no usable GPU ({})", cublas);
+  return "";
 }
 
 DeviceInfo device_info() {

@@ -9,7 +9,8 @@
 
 namespace mtpx::cuda {
 
-// Empty when a CUDA device is usable; else why not ("no CUDA device", "driver too old", ...).
+// Empty when a CUDA device is usable; else why not, as one phrase: "no CUDA GPU found (...)" or
+// "no usable GPU (the runtime's or cuBLAS's reason)".
 std::string unavailable_reason();
 
 struct DeviceInfo {
