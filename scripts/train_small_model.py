@@ -755,21 +755,43 @@ class PureTorchGDN:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def forward_losses(model, head, x, lam: float, need_stats: bool = False):
-    """x [B, T+1] long. Trunk on x[:, :T] predicts x[:, 1:]; MTP rows t = 0..T-2 use (h_t, x_{t+1}) -> x_{t+2}."""
+def chat_request_weights(stream, im_start: int, header_len: int):
+    """Target weights of a token stream [N] (torch): 0 inside a chat example's request, from its first <|im_start|>
+    through the assistant header that the second one opens (header_len tokens: "<|im_start|>assistant\n"), 1
+    elsewhere. The request is context, not a target: a model trained to predict requests learns that a bare
+    `def f(x):` at the start of a text ends with <|im_end|>, and then answers a plain completion with nothing."""
+    import torch
+
+    starts = (stream == im_start).nonzero().flatten()
+    assert starts.numel() % 2 == 0, "every chat example has one request and one answer"
+    edges = torch.zeros(stream.numel() + header_len + 1, dtype=torch.int32, device=stream.device)
+    edges.index_add_(0, starts[0::2], torch.ones_like(starts[0::2], dtype=torch.int32))
+    edges.index_add_(0, starts[1::2] + header_len, -torch.ones_like(starts[1::2], dtype=torch.int32))
+    return (edges.cumsum(0)[:stream.numel()] == 0).to(torch.float32)
+
+
+def forward_losses(model, head, x, lam: float, need_stats: bool = False, w=None):
+    """x [B, T+1] long. Trunk on x[:, :T] predicts x[:, 1:]; MTP rows t = 0..T-2 use (h_t, x_{t+1}) -> x_{t+2}.
+    w [B, T+1]: each token's weight as a target (chat_request_weights); None: all 1."""
     import torch
     import torch.nn.functional as F
+
+    def mean_ce(logits, tgt, weights):
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+        if weights is None:
+            return ce.mean()
+        weights = weights.reshape(-1)
+        return (ce * weights).sum() / weights.sum().clamp(min=1.0)
 
     inp = x[:, :-1]
     h = model.model(input_ids=inp, use_cache=False).last_hidden_state  # post-final-norm = lm_head input
     logits = model.lm_head(h)
-    V = logits.shape[-1]
     tgt = x[:, 1:]
-    loss_main = F.cross_entropy(logits.float().reshape(-1, V), tgt.reshape(-1))
+    loss_main = mean_ce(logits, tgt, None if w is None else w[:, 1:])
     m = head(model.model.embed_tokens, model.model.rotary_emb, h[:, :-1], x[:, 1:-1])
     mlog = model.lm_head(m)
     mtgt = x[:, 2:]
-    loss_mtp = F.cross_entropy(mlog.float().reshape(-1, V), mtgt.reshape(-1))
+    loss_mtp = mean_ce(mlog, mtgt, None if w is None else w[:, 2:])
     loss = loss_main + lam * loss_mtp
     if not need_stats:
         return loss, loss_main.detach(), loss_mtp.detach()
@@ -940,7 +962,7 @@ def lr_at(step: int, progress: float, args) -> float:
     return args.lr * warm * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def train(model, head, train_stream, eval_windows, args, device, report) -> list:
+def train(model, head, train_stream, eval_windows, args, device, report, train_weights=None) -> list:
     import torch
 
     is_cuda = device.type == "cuda"
@@ -968,15 +990,20 @@ def train(model, head, train_stream, eval_windows, args, device, report) -> list
 
     def batch():
         starts = torch.randint(0, N - T - 1, (args.batch,), device=device, generator=gen)
-        return train_stream[starts[:, None] + offs].long()
+        idx = starts[:, None] + offs
+        return train_stream[idx].long(), None if train_weights is None else train_weights[idx]
 
-    loss_fn = forward_losses
+    def loss_fn(model, head, x, lam, w):
+        return forward_losses(model, head, x, lam, w=w)
+    uses_compiled = False
     if args.head_only:
-        def loss_fn(model, head, x, lam):
+        def loss_fn(model, head, x, lam, w):
             return forward_losses_head(model, head, x, args.mtp_steps, args.distill)
-    elif args.compile:
+    elif args.compile and train_weights is None:
         try:
-            loss_fn = torch.compile(forward_losses)
+            compiled = torch.compile(forward_losses)
+            loss_fn = lambda model, head, x, lam, w: compiled(model, head, x, lam)  # noqa: E731
+            uses_compiled = True
         except Exception as e:  # noqa: BLE001
             log(f"torch.compile unavailable ({e}); eager")
 
@@ -1006,16 +1033,17 @@ def train(model, head, train_stream, eval_windows, args, device, report) -> list
         lr = lr_at(step, progress, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        x = batch()
+        x, xw = batch()
         with torch.autocast(device_type=device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             try:
-                loss, lm, lt = loss_fn(model, head, x, args.mtp_lambda)
+                loss, lm, lt = loss_fn(model, head, x, args.mtp_lambda, xw)
             except Exception as e:  # noqa: BLE001
-                if loss_fn is forward_losses or not args.compile:
+                if not uses_compiled:
                     raise
+                uses_compiled = False
                 log(f"torch.compile failed at the first step ({type(e).__name__}: {e}); falling back to eager")
-                loss_fn = forward_losses
-                loss, lm, lt = loss_fn(model, head, x, args.mtp_lambda)
+                loss_fn = lambda model, head, x, lam, w: forward_losses(model, head, x, lam, w=w)  # noqa: E731
+                loss, lm, lt = loss_fn(model, head, x, args.mtp_lambda, xw)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_([p for mod in trained for p in mod.parameters()], args.grad_clip)
@@ -1647,7 +1675,14 @@ def main(argv=None):
         report["chain_eval_before"] = ev0
         log(f"before training (held-out, {final_w.shape[0]} windows): " + chain_summary(ev0))
 
-    history = train(model, head, train_t, eval_w, args, device, report)
+    train_w = None
+    if args.chat_frac > 0 and not args.head_only:
+        header = tok.encode("<|im_start|>assistant\n").ids
+        assert header[0] == tok.token_to_id("<|im_start|>"), header
+        train_w = chat_request_weights(train_t, header[0], len(header))
+        report["chat"]["request_tokens_not_targets"] = int((train_w == 0).sum())
+        log(f"chat: {report['chat']['request_tokens_not_targets'] / 1e6:.2f}M request tokens are context only")
+    history = train(model, head, train_t, eval_w, args, device, report, train_w)
     del train_t
     report["eval_history"] = history
     out.mkdir(parents=True, exist_ok=True)

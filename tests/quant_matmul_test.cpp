@@ -71,7 +71,7 @@ AffineMatrix make_affine(int64_t rows, int64_t cols, int bits, int64_t group_siz
   return a;
 }
 
-std::vector<AffineKernel> supported_kernels() {
+std::vector<AffineKernel> supported_affine_kernels() {
   std::vector<AffineKernel> kernels;
   for (AffineKernel k : {AffineKernel::kScalar, AffineKernel::kAvx2, AffineKernel::kAvx2Int8,
                          AffineKernel::kAvx512, AffineKernel::kAvx512Vnni})
@@ -173,7 +173,7 @@ TEST_P(QuantMatmulTest, MatchesDoubleReference) {
         std::vector<float> y(ref.size());
         matmul(a.view, x.data(), m, y.data());  // through matmul.h's dispatch
         check(y, affine_default_kernel(), "matmul");
-        for (AffineKernel k : supported_kernels()) {
+        for (AffineKernel k : supported_affine_kernels()) {
           std::fill(y.begin(), y.end(), NAN);
           affine_matmul(a.view, x.data(), m, y.data(), k);
           check(y, k, kernel_name(k));
@@ -192,7 +192,7 @@ TEST_P(QuantMatmulTest, BatchInvariantBitwise) {
     const int64_t rows = 75, cols = 3 * 128;
     AffineMatrix a = make_affine(rows, cols, bits, group_size, WeightType::kBF16, 11);
     const auto x = normal_values(static_cast<size_t>(max_m * cols), 12);
-    for (AffineKernel k : supported_kernels()) {
+    for (AffineKernel k : supported_affine_kernels()) {
       std::vector<float> single(static_cast<size_t>(max_m * rows));
       for (int64_t r = 0; r < max_m; ++r)
         affine_matmul(a.view, &x[static_cast<size_t>(r * cols)], 1, &single[static_cast<size_t>(r * rows)],

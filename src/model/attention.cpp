@@ -184,27 +184,37 @@ void attend_blocks(const float* qg, const KvCache& cache, int64_t p0, int64_t T,
 
 }  // namespace
 
-void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, KvCache& cache, int64_t p0,
-                             const float* h, int64_t T, float* out, int64_t out_rows,
-                             InputStatistics* stats) {
-  const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_kv_heads;
-  const int64_t skip = T - out_rows;  // rows that only fill the cache
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+AttentionRows::AttentionRows(const ModelConfig& c, int64_t T)
+    : qg(static_cast<size_t>(T * c.num_attention_heads * 2 * c.head_dim)),
+      k(static_cast<size_t>(T * c.num_kv_heads * c.head_dim)),
+      v(static_cast<size_t>(T * c.num_kv_heads * c.head_dim)) {}
 
-  std::vector<float> qg(static_cast<size_t>(T * nq * 2 * D));  // [T, nq, 2D]
-  std::vector<float> k(static_cast<size_t>(T * nkv * D));      // [T, nkv, D]
-  std::vector<float> v(static_cast<size_t>(T * nkv * D));      // [T, nkv, D]
+void attention_project(const AttentionWeights& w, const ModelConfig& c, const float* h, int64_t T,
+                       int64_t out_rows, AttentionRows& rows) {
+  const int64_t skip = T - out_rows;  // rows that only fill the cache
   if (skip > 0 && T >= cpu::kGemmMinRows) {
     // A prompt pass of the MTP head: the queries of the last rows only.
-    const cpu::MatmulTarget kv[] = {{&w.k_proj, k.data()}, {&w.v_proj, v.data()}};
+    const cpu::MatmulTarget kv[] = {{&w.k_proj, rows.k.data()}, {&w.v_proj, rows.v.data()}};
     cpu::matmul_shared_input(kv, h, T);
-    cpu::matmul(w.q_proj, h + skip * c.hidden_size, out_rows, &qg[static_cast<size_t>(skip * nq * 2 * D)]);
+    cpu::matmul(w.q_proj, h + skip * c.hidden_size, out_rows,
+                &rows.qg[static_cast<size_t>(skip * c.num_attention_heads * 2 * c.head_dim)]);
   } else {
     // Decode and verify windows: one thread team for all three (the extra query rows cost little).
-    const cpu::MatmulTarget qkv[] = {{&w.q_proj, qg.data()}, {&w.k_proj, k.data()}, {&w.v_proj, v.data()}};
+    const cpu::MatmulTarget qkv[] = {
+        {&w.q_proj, rows.qg.data()}, {&w.k_proj, rows.k.data()}, {&w.v_proj, rows.v.data()}};
     cpu::matmul_shared_input(qkv, h, T);
   }
+}
+
+void attention_mix(const AttentionWeights& w, const ModelConfig& c, KvCache& cache, int64_t p0, int64_t T,
+                   int64_t out_rows, AttentionRows& rows, float* o) {
+  const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_kv_heads;
+  const int64_t skip = T - out_rows;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<float>& qg = rows.qg;
+  std::vector<float>& k = rows.k;
+  const std::vector<float>& v = rows.v;
 
   // The cache grows with the positions used (std::vector doubles its capacity): a state's memory follows
   // the tokens processed, not the prompt + max_tokens it was created for.
@@ -237,17 +247,27 @@ void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, Kv
   // o[t, hq] = softmax(q k^T / sqrt(D)) v over positions 0..p0+t, then * sigmoid(gate); for the last
   // out_rows rows only.
   const float* qg_out = &qg[static_cast<size_t>(skip * nq * 2 * D)];
-  std::vector<float> o(static_cast<size_t>(out_rows * nq * D));  // [out_rows, nq, D]
   if (out_rows >= cpu::kGemmMinRows)
-    attend_blocks(qg_out, cache, p0 + skip, out_rows, nq, nkv, D, scale, o.data());
+    attend_blocks(qg_out, cache, p0 + skip, out_rows, nq, nkv, D, scale, o);
   else
-    attend_rows(qg_out, cache, p0 + skip, out_rows, nq, nkv, D, scale, o.data());
+    attend_rows(qg_out, cache, p0 + skip, out_rows, nq, nkv, D, scale, o);
   for (int64_t t = 0; t < out_rows; ++t)
     for (int64_t hq = 0; hq < nq; ++hq) {
       float* od = &o[static_cast<size_t>((t * nq + hq) * D)];
       const float* gate = &qg_out[static_cast<size_t>((t * nq + hq) * 2 * D + D)];
       cpu::mul_sigmoid(gate, D, od);
     }
+}
+
+void gated_attention_forward(const AttentionWeights& w, const ModelConfig& c, KvCache& cache, int64_t p0,
+                             const float* h, int64_t T, float* out, int64_t out_rows,
+                             InputStatistics* stats) {
+  const int64_t skip = T - out_rows;
+  AttentionRows rows(c, T);
+  attention_project(w, c, h, T, out_rows, rows);
+  std::vector<float> o(
+      static_cast<size_t>(out_rows * c.num_attention_heads * c.head_dim));  // [out_rows, nq, D]
+  attention_mix(w, c, cache, p0, T, out_rows, rows, o.data());
   cpu::matmul(w.o_proj, o.data(), out_rows, out);
   if (stats != nullptr) {
     stats->add(w.q_proj, h + skip * c.hidden_size, out_rows);

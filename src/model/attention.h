@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "io/model_config.h"
 #include "model/state.h"
@@ -21,6 +22,21 @@ class InputStatistics;
 void gated_attention_forward(const AttentionWeights& w, const ModelConfig& config, KvCache& cache, int64_t p0,
                              const float* h, int64_t t_count, float* out, int64_t out_rows,
                              InputStatistics* stats = nullptr);  // stats: see input_statistics.h
+
+// gated_attention_forward in its two parts, for passes that multiply the rows of several sequences at once
+// (Model::forward_batch): the projections, which are row-wise (x W^T), and the mixing over one sequence's
+// cache. AttentionRows holds one sequence's projected rows: [T, nq, 2D] query | gate, [T, nkv, D] keys and
+// values.
+struct AttentionRows {
+  AttentionRows(const ModelConfig& config, int64_t t_count);
+  std::vector<float> qg, k, v;
+};
+void attention_project(const AttentionWeights& w, const ModelConfig& config, const float* h, int64_t t_count,
+                       int64_t out_rows, AttentionRows& rows);
+// Norms, RoPE, the cache write, the attention and the output gate (q and k are normalized in place);
+// o: [out_rows, nq, D], the o_proj input.
+void attention_mix(const AttentionWeights& w, const ModelConfig& config, KvCache& cache, int64_t p0,
+                   int64_t t_count, int64_t out_rows, AttentionRows& rows, float* o);
 
 // In-place rotation of the first rotary_dim dims of one head vector x[D] at position `pos`:
 // pairs (i, i + rotary_dim/2), angle pos * theta^(-2i/rotary_dim) (§3.1).

@@ -40,6 +40,83 @@ void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& c, KvCa
   cpu::add_inplace(out, branch.data(), out_rows * H);
 }
 
+void decoder_layer_forward_batch(const LayerWeights& layer, const ModelConfig& c,
+                                 std::span<const SequenceSlice> sequences, float* x, int64_t N) {
+  const int64_t H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  std::vector<float> normed(static_cast<size_t>(N * H)), branch(static_cast<size_t>(N * H));
+  for (int64_t r = 0; r < N; ++r)
+    cpu::rms_norm(x + r * H, layer.input_norm.data(), eps, H, &normed[static_cast<size_t>(r * H)]);
+  // Stacked projections of all rows, then each sequence's rows copied out for its mixer (a few KiB per row).
+  auto project = [&](std::span<const cpu::WeightMatrix* const> ws, std::vector<std::vector<float>>& ys) {
+    ys.resize(ws.size());
+    for (size_t i = 0; i < ws.size(); ++i) ys[i].resize(static_cast<size_t>(N * ws[i]->rows));
+    for_invariant_row_blocks(N, [&](int64_t r0, int64_t n) {
+      std::vector<cpu::MatmulTarget> targets;
+      for (size_t i = 0; i < ws.size(); ++i)
+        targets.push_back({ws[i], &ys[i][static_cast<size_t>(r0 * ws[i]->rows)]});
+      cpu::matmul_shared_input(targets, &normed[static_cast<size_t>(r0 * H)], n);
+    });
+  };
+  auto rows_of = [](const std::vector<float>& y, int64_t width, const SequenceSlice& s,
+                    std::vector<float>& to) {
+    std::copy_n(&y[static_cast<size_t>(s.first_row * width)], s.t_count * width, to.begin());
+  };
+  std::vector<std::vector<float>> ys;
+  const cpu::WeightMatrix* out_proj = nullptr;
+  int64_t o_width = 0;
+  std::vector<float> o;
+  if (layer.type == LayerType::kFullAttention) {
+    const AttentionWeights& w = *layer.attention;
+    const cpu::WeightMatrix* ws[] = {&w.q_proj, &w.k_proj, &w.v_proj};
+    project(ws, ys);
+    o_width = c.num_attention_heads * c.head_dim;
+    o.resize(static_cast<size_t>(N * o_width));
+    for (const SequenceSlice& s : sequences) {
+      AttentionRows rows(c, s.t_count);
+      rows_of(ys[0], w.q_proj.rows, s, rows.qg);
+      rows_of(ys[1], w.k_proj.rows, s, rows.k);
+      rows_of(ys[2], w.v_proj.rows, s, rows.v);
+      attention_mix(w, c, *s.kv, s.p0, s.t_count, s.t_count, rows,
+                    &o[static_cast<size_t>(s.first_row * o_width)]);
+    }
+    out_proj = &w.o_proj;
+  } else {
+    const DeltaNetWeights& w = *layer.delta_net;
+    const cpu::WeightMatrix* ws[] = {&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a};
+    project(ws, ys);
+    o_width = c.linear_num_value_heads * c.linear_value_head_dim;
+    o.resize(static_cast<size_t>(N * o_width));
+    for (const SequenceSlice& s : sequences) {
+      DeltaNetRows rows(c, s.t_count);
+      rows_of(ys[0], w.in_proj_qkv.rows, s, rows.qkv);
+      rows_of(ys[1], w.in_proj_z.rows, s, rows.z);
+      rows_of(ys[2], w.in_proj_b.rows, s, rows.b);
+      rows_of(ys[3], w.in_proj_a.rows, s, rows.a);
+      deltanet_mix(w, c, *s.delta, s.t_count, rows, &o[static_cast<size_t>(s.first_row * o_width)],
+                   DeltaRuleForm::kRecurrent, s.record_window);
+    }
+    out_proj = &w.out_proj;
+  }
+  for_invariant_row_blocks(N, [&](int64_t r0, int64_t n) {
+    cpu::matmul(*out_proj, &o[static_cast<size_t>(r0 * o_width)], n, &branch[static_cast<size_t>(r0 * H)]);
+  });
+  cpu::add_inplace(x, branch.data(), N * H);
+  for (int64_t r = 0; r < N; ++r)
+    cpu::rms_norm(x + r * H, layer.post_attn_norm.data(), eps, H, &normed[static_cast<size_t>(r * H)]);
+  if (layer.moe) {
+    // Per sequence: its traffic counts the experts its own rows read.
+    for (const SequenceSlice& s : sequences)
+      moe_forward(*layer.moe, &normed[static_cast<size_t>(s.first_row * H)], s.t_count,
+                  &branch[static_cast<size_t>(s.first_row * H)], nullptr, s.traffic);
+  } else {
+    for_invariant_row_blocks(N, [&](int64_t r0, int64_t n) {
+      mlp_forward(layer.mlp, &normed[static_cast<size_t>(r0 * H)], n, &branch[static_cast<size_t>(r0 * H)]);
+    });
+  }
+  cpu::add_inplace(x, branch.data(), N * H);
+}
+
 void norm_and_logits(const ModelConfig& c, const cpu::WeightMatrix& lm_head, const std::vector<float>& norm,
                      const float* x, int64_t T, LogitRows rows, std::vector<float>& hidden,
                      std::vector<float>& logits, int64_t next_prefix_rows) {

@@ -1,9 +1,12 @@
 // The pieces the trunk and the MTP head share: one decoder layer, and the final norm + lm_head.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <span>
 #include <vector>
 
+#include "backend/cpu/matmul.h"
 #include "io/model_config.h"
 #include "model/state.h"
 #include "model/weights.h"
@@ -26,6 +29,32 @@ void decoder_layer_forward(const LayerWeights& layer, const ModelConfig& config,
                            bool record_window = false, int64_t out_rows = 0,
                            InputStatistics* stats = nullptr,   // stats: see input_statistics.h
                            ExpertTraffic* traffic = nullptr);  // MoE layers count their experts in it
+
+// Products of `rows` rows in blocks of fewer than cpu::kGemmMinRows rows: each block takes the small-M
+// kernels, whose rows are computed alone (matmul.h: batch invariance), whatever else shares the pass.
+template <class F>
+void for_invariant_row_blocks(int64_t rows, F f) {
+  constexpr int64_t kBlock = cpu::kGemmMinRows - 1;
+  for (int64_t r0 = 0; r0 < rows; r0 += kBlock) f(r0, std::min(kBlock, rows - r0));
+}
+
+// One sequence's share of a layer pass over the rows of several sequences: rows [first_row, first_row + T)
+// of x, at positions p0 .. p0+T-1 of its own cache and DeltaNet state.
+struct SequenceSlice {
+  KvCache* kv = nullptr;
+  DeltaNetState* delta = nullptr;
+  int64_t p0 = 0;
+  int64_t first_row = 0;
+  int64_t t_count = 0;  // 1 .. cpu::kGemmMinRows - 1
+  bool record_window = false;
+  ExpertTraffic* traffic = nullptr;
+};
+// decoder_layer_forward for several sequences at once, x: [rows, H] (the slices' rows, in order). The
+// row-wise parts (norms, projections, MLP) run over all rows in invariant blocks, so every weight is read
+// once per block rather than once per sequence; attention and the delta rule run per sequence on its own
+// state. Each sequence's rows come out bit-identical to a decoder_layer_forward of its rows alone.
+void decoder_layer_forward_batch(const LayerWeights& layer, const ModelConfig& config,
+                                 std::span<const SequenceSlice> sequences, float* x, int64_t rows);
 
 // hidden = RMSNorm1p(x, norm) for all T rows; logits = hidden @ lm_head^T for the rows asked for.
 // next_prefix_rows > 0: the next product reads lm_head rows [0, next_prefix_rows) (the MTP head's draft

@@ -88,23 +88,30 @@ void delta_rule_chunked(const float* q, const float* k, const float* v, const fl
   }
 }
 
-void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, DeltaNetState& state,
-                            const float* h, int64_t T, float* out, DeltaRuleForm form, bool record_window,
-                            InputStatistics* stats) {
+DeltaNetRows::DeltaNetRows(const ModelConfig& c, int64_t T)
+    : qkv(static_cast<size_t>(T * c.conv_dim())),
+      z(static_cast<size_t>(T * c.linear_num_value_heads * c.linear_value_head_dim)),
+      b(static_cast<size_t>(T * c.linear_num_value_heads)),
+      a(static_cast<size_t>(T * c.linear_num_value_heads)) {}
+
+void deltanet_project(const DeltaNetWeights& w, const float* h, int64_t T, DeltaNetRows& rows) {
+  const cpu::MatmulTarget in_proj[] = {{&w.in_proj_qkv, rows.qkv.data()},
+                                       {&w.in_proj_z, rows.z.data()},
+                                       {&w.in_proj_b, rows.b.data()},
+                                       {&w.in_proj_a, rows.a.data()}};
+  cpu::matmul_shared_input(in_proj, h, T);
+}
+
+void deltanet_mix(const DeltaNetWeights& w, const ModelConfig& c, DeltaNetState& state, int64_t T,
+                  const DeltaNetRows& rows, float* o_out, DeltaRuleForm form, bool record_window) {
   const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
   const int64_t Dk = c.linear_key_head_dim, Dv = c.linear_value_head_dim;
   const int64_t conv_dim = c.conv_dim(), Kc = c.linear_conv_kernel_dim;
   const int64_t heads_per_key = Hv / Hk;
-
-  std::vector<float> qkv(static_cast<size_t>(T * conv_dim));  // [T, conv_dim] pre-conv
-  std::vector<float> z(static_cast<size_t>(T * Hv * Dv));     // [T, Hv, Dv]
-  std::vector<float> b(static_cast<size_t>(T * Hv));          // [T, Hv]
-  std::vector<float> a(static_cast<size_t>(T * Hv));          // [T, Hv]
-  const cpu::MatmulTarget in_proj[] = {{&w.in_proj_qkv, qkv.data()},
-                                       {&w.in_proj_z, z.data()},
-                                       {&w.in_proj_b, b.data()},
-                                       {&w.in_proj_a, a.data()}};
-  cpu::matmul_shared_input(in_proj, h, T);
+  const std::vector<float>& qkv = rows.qkv;
+  const std::vector<float>& z = rows.z;
+  const std::vector<float>& b = rows.b;
+  const std::vector<float>& a = rows.a;
 
   // Causal depthwise conv over [conv state (Kc-1 rows) ; qkv (T rows)], then SiLU (§4.1). Per channel the
   // taps are summed in order j = 0..Kc-1 from 0, whatever T is; the taps are read tap-major (transposed at
@@ -175,7 +182,8 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
     if (static_cast<int64_t>(win.ssm_after.size()) < T) win.ssm_after.resize(static_cast<size_t>(T));
     for (int64_t t = 1; t < T; ++t) win.ssm_after[static_cast<size_t>(t)].resize(state.ssm.size());
   }
-  std::vector<float> o(static_cast<size_t>(T * Hv * Dv));  // [T, Hv, Dv]
+  float* o = o_out;  // [T, Hv, Dv]; the chunked form accumulates into it
+  std::fill_n(o, T * Hv * Dv, 0.0f);
 #pragma omp parallel for schedule(static) if (Hv > 1 && T * Dk * Dv * Hv >= (1 << 15))
   for (int64_t hv = 0; hv < Hv; ++hv) {
     const int64_t hk = hv / heads_per_key;
@@ -222,9 +230,19 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, Delt
       cpu::swiglu(zh, oh, Dv, oh);
     }
   }
+}
+
+void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& c, DeltaNetState& state,
+                            const float* h, int64_t T, float* out, DeltaRuleForm form, bool record_window,
+                            InputStatistics* stats) {
+  DeltaNetRows rows(c, T);
+  deltanet_project(w, h, T, rows);
+  std::vector<float> o(static_cast<size_t>(T * c.linear_num_value_heads * c.linear_value_head_dim));
+  deltanet_mix(w, c, state, T, rows, o.data(), form, record_window);
   cpu::matmul(w.out_proj, o.data(), T, out);
   if (stats != nullptr) {
-    for (const cpu::MatmulTarget& p : in_proj) stats->add(*p.w, h, T);
+    for (const cpu::WeightMatrix* p : {&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a})
+      stats->add(*p, h, T);
     stats->add(w.out_proj, o.data(), T);
   }
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "backend/cpu/matmul.h"
 #include "io/model_config.h"
@@ -27,6 +28,22 @@ void gated_deltanet_forward(const DeltaNetWeights& w, const ModelConfig& config,
                             const float* h, int64_t t_count, float* out,
                             DeltaRuleForm form = DeltaRuleForm::kAuto, bool record_window = false,
                             InputStatistics* stats = nullptr);  // stats: see input_statistics.h
+
+// gated_deltanet_forward in its two parts, for passes that multiply the rows of several sequences at once
+// (Model::forward_batch): the input projections, which are row-wise, and the conv, the delta rule and the
+// gated norm on one sequence's state. DeltaNetRows holds one sequence's projected rows.
+struct DeltaNetRows {
+  DeltaNetRows(const ModelConfig& config, int64_t t_count);
+  std::vector<float> qkv;  // [T, conv_dim] pre-conv
+  std::vector<float> z;    // [T, Hv, Dv]
+  std::vector<float> b;    // [T, Hv]
+  std::vector<float> a;    // [T, Hv]
+};
+void deltanet_project(const DeltaNetWeights& w, const float* h, int64_t t_count, DeltaNetRows& rows);
+// o: [T, Hv, Dv], the out_proj input.
+void deltanet_mix(const DeltaNetWeights& w, const ModelConfig& config, DeltaNetState& state, int64_t t_count,
+                  const DeltaNetRows& rows, float* o, DeltaRuleForm form = DeltaRuleForm::kAuto,
+                  bool record_window = false);
 
 // Returns the state to what it was after the first `keep` tokens of the recorded window
 // (0 <= keep <= window.tokens): the recurrent state that token's snapshot holds, and the conv state

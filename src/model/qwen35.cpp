@@ -191,6 +191,99 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   state.advance(T);
 }
 
+void Model::forward_batch(std::span<const SequenceForward> batch) const {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  std::vector<const SequenceForward*> together;  // the ones that share the pass
+  for (const SequenceForward& s : batch) {
+    const int64_t T = static_cast<int64_t>(s.tokens.size());
+    if (executor_ || T >= cpu::kGemmMinRows || s.state->input_statistics() != nullptr)
+      forward(*s.state, s.tokens, s.rows, *s.result, s.record_window, s.argmax_limit);
+    else
+      together.push_back(&s);
+  }
+  if (together.empty()) return;
+  for (size_t i = 0; i < together.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      if (together[i]->state == together[j]->state)
+        invalid_input("forward_batch: one state in two sequences");
+  prepare_cpu_kernels();
+
+  std::vector<SequenceSlice> slices;
+  int64_t N = 0;
+  for (const SequenceForward* s : together) {
+    const int64_t T = static_cast<int64_t>(s->tokens.size());
+    const int64_t p0 = s->state->position();
+    if (T == 0) invalid_input("forward: no tokens");
+    if (p0 + T > s->state->capacity())
+      invalid_input("context overflow: {} positions needed, the state holds {}", p0 + T,
+                    s->state->capacity());
+    for (int32_t id : s->tokens)
+      if (id < 0 || id >= V) invalid_input("token id {} is outside the model's vocabulary [0, {})", id, V);
+    if (s->state->device() != nullptr)
+      invalid_input("forward: the state was made for another device than the model's");
+    slices.push_back({.p0 = p0,
+                      .first_row = N,
+                      .t_count = T,
+                      .record_window = s->record_window,
+                      .traffic = &s->state->expert_traffic()});
+    N += T;
+  }
+  std::vector<float> x(static_cast<size_t>(N * H));
+  for (size_t i = 0; i < together.size(); ++i)
+    for (int64_t t = 0; t < slices[i].t_count; ++t)
+      cpu::weight_row_to_f32(weights_.embed_tokens, together[i]->tokens[static_cast<size_t>(t)],
+                             &x[static_cast<size_t>((slices[i].first_row + t) * H)]);
+  for (int64_t li = 0; li < c.num_layers; ++li) {
+    for (size_t i = 0; i < together.size(); ++i) {
+      slices[i].kv = &together[i]->state->kv(li);
+      slices[i].delta = &together[i]->state->delta(li);
+    }
+    decoder_layer_forward_batch(weights_.layers[static_cast<size_t>(li)], c, slices, x.data(), N);
+  }
+
+  // Final norm for every row; the lm_head for the rows asked for, all sequences' in one product.
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  std::vector<float> logit_inputs;
+  std::vector<std::pair<size_t, int64_t>> logit_rows;  // (sequence, its first logit row) per block of rows
+  int64_t L = 0;
+  for (size_t i = 0; i < together.size(); ++i) {
+    const SequenceForward& s = *together[i];
+    const int64_t T = slices[i].t_count;
+    s.result->candidates = {};
+    s.result->hidden.resize(static_cast<size_t>(T * H));
+    for (int64_t t = 0; t < T; ++t)
+      cpu::rms_norm(&x[static_cast<size_t>((slices[i].first_row + t) * H)], weights_.final_norm.data(), eps,
+                    H, &s.result->hidden[static_cast<size_t>(t * H)]);
+    const int64_t first = s.rows == LogitRows::kAll ? 0 : T - 1;
+    const int64_t count = s.rows == LogitRows::kNone ? 0 : T - first;
+    logit_inputs.insert(logit_inputs.end(), s.result->hidden.begin() + first * H,
+                        s.result->hidden.begin() + (first + count) * H);
+    logit_rows.emplace_back(i, L);
+    L += count;
+  }
+  const int64_t Vh = weights_.lm_head.rows;
+  std::vector<float> logits(static_cast<size_t>(L * Vh));
+  for_invariant_row_blocks(L, [&](int64_t r0, int64_t n) {
+    cpu::matmul(weights_.lm_head, &logit_inputs[static_cast<size_t>(r0 * H)], n,
+                &logits[static_cast<size_t>(r0 * Vh)]);
+  });
+  for (size_t k = 0; k < logit_rows.size(); ++k) {
+    const auto [i, first] = logit_rows[k];
+    const SequenceForward& s = *together[i];
+    const int64_t end = k + 1 < logit_rows.size() ? logit_rows[k + 1].second : L;
+    s.result->logits.assign(logits.begin() + first * Vh, logits.begin() + end * Vh);
+    const int64_t p0 = slices[i].p0, T = slices[i].t_count;
+    const std::vector<float>& out = s.rows == LogitRows::kNone ? s.result->hidden : s.result->logits;
+    if (!cpu::all_finite(out.data(), static_cast<int64_t>(out.size())))
+      fail_non_finite(fmt::format("{} at positions {}..{}",
+                                  s.rows == LogitRows::kNone ? "hidden states" : "logits", p0, p0 + T - 1));
+    logit_row_argmax(s.result->logits, V, s.argmax_limit, s.result->argmax);
+    if (s.record_window) s.state->set_window(p0, T);
+    s.state->advance(T);
+  }
+}
+
 void Model::fetch_logits(const InferenceState& state, int64_t row, std::span<const int32_t> ids,
                          std::vector<float>& values) const {
   if (!executor_ || state.device() == nullptr)

@@ -31,6 +31,16 @@ struct ForwardResult {
                                 // the logits (device.h)
 };
 
+// One sequence's part of a batched pass (Model::forward_batch): forward()'s arguments for that sequence.
+struct SequenceForward {
+  InferenceState* state = nullptr;
+  std::span<const int32_t> tokens;
+  LogitRows rows = LogitRows::kLast;
+  ForwardResult* result = nullptr;
+  bool record_window = false;
+  int64_t argmax_limit = 0;
+};
+
 class Model {
  public:
   // Loads config.json and the safetensors of a model directory. Throws mtpx::Error naming what is wrong.
@@ -74,6 +84,15 @@ class Model {
   void forward(InferenceState& state, std::span<const int32_t> tokens, LogitRows rows, ForwardResult& result,
                bool record_window = false, int64_t argmax_limit = 0, int64_t head_logit_ids = 0,
                CandidateRequest sample = {}) const;
+
+  // forward() of several sequences (each its own state, distinct) in one pass: the row-wise work (norms,
+  // projections, MLP, lm_head) runs over the rows of all of them at once, so each weight is read once per
+  // pass instead of once per sequence (decode is bound by reading the weights), while attention and the
+  // delta rule run per sequence on its own cache and state. Each sequence's result and state are
+  // bit-identical to what its own forward() gives (batch invariance: decoder_layer_forward_batch), so a
+  // request's output does not depend on what shares its steps. Sequences of kGemmMinRows tokens or more
+  // (prompts) and every sequence on a device run one by one through forward().
+  void forward_batch(std::span<const SequenceForward> batch) const;
 
   // Logits of logit row `row` of `state`'s last forward() on a device that returned candidates for rows
   // sampled whole (CandidateRequest::rows_on_request), while no other pass has run on the device since:

@@ -11,6 +11,7 @@ Settings button (phone); the sampler fields show the server's defaults as placeh
 Exits 77 (ctest: skipped) when selenium, chromium or chromedriver is missing.
 """
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -59,6 +60,12 @@ def send_and_wait(browser, text, timeout=90):
     reply = browser.find_elements(By.CSS_SELECTOR, ".message.assistant")[-1]
     wait.until(lambda b: reply.get_attribute("data-state") == "done")
     return reply
+
+
+def shipped_model_has_chat_training():
+    report = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models", "default", "report.json")
+    with open(report) as f:
+        return "chat" in json.load(f)
 
 
 def check(condition, message):
@@ -141,6 +148,12 @@ def main():
         check(body.strip() != "", "the answer is empty")
         check("tok/s" in stats and "acceptance" in stats and "tokens/step" in stats, f"stats missing: {stats}")
         check("error" not in reply.get_attribute("class"), "the answer is an error")
+        # A chat-trained shipped model answers a request for a function with a fenced block of code, which the
+        # page renders as <pre><code> (the model before chat training answered with junk).
+        if shipped_model_has_chat_training():
+            answer_code = reply.find_elements(By.CSS_SELECTOR, ".body pre code")
+            check(answer_code and "def reverse_string(s):" in answer_code[0].text,
+                  f"the answer has no code block with the function: {body[:200]!r}")
 
         # 2. Code blocks render as <pre><code> (a fenced block in the user's message, rendered the same way).
         send_and_wait(browser, "Explain:\n```python\nprint('hi')\n```")
