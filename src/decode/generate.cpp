@@ -36,7 +36,13 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
   // below_draw()).
   const CandidateRequest sample_request = candidate_request(options.sampler, vocab_limit, true);
   auto t0 = Clock::now();
-  model.forward(state, prompt, LogitRows::kLast, forward, false, argmax_limit, 0, sample_request);
+  trunk_forward(model, options,
+                {.state = &state,
+                 .tokens = prompt,
+                 .rows = LogitRows::kLast,
+                 .result = &forward,
+                 .argmax_limit = argmax_limit,
+                 .sample = sample_request});
   auto next = [&]() {
     if (argmax_limit > 0) return sample(one_hot(forward.argmax[0]), rng);
     if (forward.candidates.present()) {
@@ -71,8 +77,13 @@ GenerateResult generate(const Model& model, std::span<const int32_t> prompt, con
       result.finish_reason = "cancelled";
       break;
     }
-    model.forward(state, std::span<const int32_t>(&token, 1), LogitRows::kLast, forward, false, argmax_limit,
-                  0, sample_request);
+    trunk_forward(model, options,
+                  {.state = &state,
+                   .tokens = std::span<const int32_t>(&token, 1),
+                   .rows = LogitRows::kLast,
+                   .result = &forward,
+                   .argmax_limit = argmax_limit,
+                   .sample = sample_request});
     ++result.stats.decode_steps;
     token = next();
   }

@@ -30,7 +30,19 @@ struct GenerateOptions {
   // ends generation early with finish_reason "cancelled" (a server's client went away or a stop string
   // matched). Unset: generation runs to a stop id or max_tokens, as before.
   std::function<bool()> cancelled;
+  // Runs the trunk's passes (the prompt, decode rows, verify windows) instead of model.forward(): a server
+  // gathers the passes of all its requests into one Model::forward_batch (server/scheduler.cpp), whose
+  // results are bit-identical to forward()'s. Unset: model.forward().
+  std::function<void(const SequenceForward&)> run_forward;
 };
+
+// The trunk pass of `f`: through options.run_forward when set, else model.forward().
+inline void trunk_forward(const Model& model, const GenerateOptions& options, const SequenceForward& f) {
+  if (options.run_forward)
+    options.run_forward(f);
+  else
+    model.forward(f);
+}
 
 inline constexpr int64_t kMaxDraft = 8;
 // The draft depth every command uses when neither a flag nor `mtpx tune`'s profile for this machine says

@@ -233,7 +233,14 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
 
   // Prefill the trunk; the first token comes from its last row, exactly as in plain decoding.
   auto t0 = Clock::now();
-  model.forward(state, prompt, LogitRows::kLast, trunk, false, target_argmax, head_logit_ids, target_request);
+  trunk_forward(model, options,
+                {.state = &state,
+                 .tokens = prompt,
+                 .rows = LogitRows::kLast,
+                 .result = &trunk,
+                 .argmax_limit = target_argmax,
+                 .head_logit_ids = head_logit_ids,
+                 .sample = target_request});
   whole_targets.assign(1, std::nullopt);
   int32_t last = draw_row(target_row(trunk, 0), true, 0);
   // Prefill the head over the prompt (spec §6.3): row t = (h_t, x_{t+1}) at position t, t = 0..n-1.
@@ -287,8 +294,15 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     // Verify [last, d_1..d_k] in one trunk pass, recorded so it can be cut back to the accepted prefix.
     std::vector<int32_t> window{last};
     window.insert(window.end(), drafts.begin(), drafts.end());
-    model.forward(state, window, LogitRows::kAll, trunk, /*record_window=*/true, target_argmax,
-                  head_logit_ids, target_request);
+    trunk_forward(model, options,
+                  {.state = &state,
+                   .tokens = window,
+                   .rows = LogitRows::kAll,
+                   .result = &trunk,
+                   .record_window = true,
+                   .argmax_limit = target_argmax,
+                   .head_logit_ids = head_logit_ids,
+                   .sample = target_request});
     whole_targets.assign(static_cast<size_t>(k + 1), std::nullopt);
     target_dists.clear();
     for (int64_t i = 0; i <= k; ++i) target_dists.push_back(target_row(trunk, i));

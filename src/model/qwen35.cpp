@@ -191,22 +191,36 @@ void Model::forward(InferenceState& state, std::span<const int32_t> tokens, Logi
   state.advance(T);
 }
 
+void Model::check_forward(const SequenceForward& s) const {
+  const int64_t T = static_cast<int64_t>(s.tokens.size());
+  const int64_t p0 = s.state->position();
+  if (T == 0) invalid_input("forward: no tokens");
+  if (p0 + T > s.state->capacity())
+    invalid_input("context overflow: {} positions needed, the state holds {}", p0 + T, s.state->capacity());
+  for (int32_t id : s.tokens)
+    if (id < 0 || id >= config_.vocab_size)
+      invalid_input("token id {} is outside the model's vocabulary [0, {})", id, config_.vocab_size);
+  if ((executor_ != nullptr) != (s.state->device() != nullptr))
+    invalid_input("forward: the state was made for another device than the model's");
+}
+
 void Model::forward_batch(std::span<const SequenceForward> batch) const {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size, V = c.vocab_size;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    check_forward(batch[i]);
+    for (size_t j = 0; j < i; ++j)
+      if (batch[j].state == batch[i].state) invalid_input("forward_batch: one state in two sequences");
+  }
   std::vector<const SequenceForward*> together;  // the ones that share the pass
   for (const SequenceForward& s : batch) {
     const int64_t T = static_cast<int64_t>(s.tokens.size());
     if (executor_ || T >= cpu::kGemmMinRows || s.state->input_statistics() != nullptr)
-      forward(*s.state, s.tokens, s.rows, *s.result, s.record_window, s.argmax_limit);
+      forward(s);
     else
       together.push_back(&s);
   }
   if (together.empty()) return;
-  for (size_t i = 0; i < together.size(); ++i)
-    for (size_t j = 0; j < i; ++j)
-      if (together[i]->state == together[j]->state)
-        invalid_input("forward_batch: one state in two sequences");
   prepare_cpu_kernels();
 
   std::vector<SequenceSlice> slices;
@@ -214,14 +228,6 @@ void Model::forward_batch(std::span<const SequenceForward> batch) const {
   for (const SequenceForward* s : together) {
     const int64_t T = static_cast<int64_t>(s->tokens.size());
     const int64_t p0 = s->state->position();
-    if (T == 0) invalid_input("forward: no tokens");
-    if (p0 + T > s->state->capacity())
-      invalid_input("context overflow: {} positions needed, the state holds {}", p0 + T,
-                    s->state->capacity());
-    for (int32_t id : s->tokens)
-      if (id < 0 || id >= V) invalid_input("token id {} is outside the model's vocabulary [0, {})", id, V);
-    if (s->state->device() != nullptr)
-      invalid_input("forward: the state was made for another device than the model's");
     slices.push_back({.p0 = p0,
                       .first_row = N,
                       .t_count = T,

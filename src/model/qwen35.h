@@ -39,6 +39,8 @@ struct SequenceForward {
   ForwardResult* result = nullptr;
   bool record_window = false;
   int64_t argmax_limit = 0;
+  int64_t head_logit_ids = 0;
+  CandidateRequest sample = {};
 };
 
 class Model {
@@ -91,8 +93,17 @@ class Model {
   // delta rule run per sequence on its own cache and state. Each sequence's result and state are
   // bit-identical to what its own forward() gives (batch invariance: decoder_layer_forward_batch), so a
   // request's output does not depend on what shares its steps. Sequences of kGemmMinRows tokens or more
-  // (prompts) and every sequence on a device run one by one through forward().
+  // (prompts) and every sequence on a device run one by one through forward(). Every sequence's input is
+  // checked before any pass runs, so an invalid one throws with no state changed.
   void forward_batch(std::span<const SequenceForward> batch) const;
+  // Throws what forward() would throw for `f`'s input (an empty or out-of-vocabulary token, a context
+  // overflow, a state of another device), before anything runs.
+  void check_forward(const SequenceForward& f) const;
+  // forward() of one SequenceForward.
+  void forward(const SequenceForward& f) const {
+    forward(*f.state, f.tokens, f.rows, *f.result, f.record_window, f.argmax_limit, f.head_logit_ids,
+            f.sample);
+  }
 
   // Logits of logit row `row` of `state`'s last forward() on a device that returned candidates for rows
   // sampled whole (CandidateRequest::rows_on_request), while no other pass has run on the device since:

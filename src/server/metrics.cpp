@@ -67,6 +67,12 @@ void Metrics::observe_inter_token_latency(double seconds) {
   inter_token_latency_.observe(seconds);
 }
 
+void Metrics::count_engine_step(int64_t sequences) {
+  std::lock_guard lock(mutex_);
+  ++engine_steps_;
+  engine_step_sequences_ += sequences;
+}
+
 std::string Metrics::render(int64_t busy_slots, int64_t queued, int64_t slots) const {
   std::lock_guard lock(mutex_);
   std::string out;
@@ -88,6 +94,12 @@ std::string Metrics::render(int64_t busy_slots, int64_t queued, int64_t slots) c
   out += fmt::format("mtpx_completion_tokens_total {}\n", completion_tokens_);
   header("mtpx_mtp_steps_total", "counter", "MTP verify passes.");
   out += fmt::format("mtpx_mtp_steps_total {}\n", mtp_steps_);
+  header("mtpx_engine_steps_total", "counter",
+         "Engine steps: one batched trunk pass of the active requests.");
+  out += fmt::format("mtpx_engine_steps_total {}\n", engine_steps_);
+  header("mtpx_engine_step_sequences_total", "counter",
+         "Requests' trunk passes run in engine steps (divided by the steps: the mean batch).");
+  out += fmt::format("mtpx_engine_step_sequences_total {}\n", engine_step_sequences_);
   header("mtpx_mtp_drafted_tokens_total", "counter",
          "MTP draft tokens proposed, by draft position (1-based).");
   for (size_t i = 0; i < drafted_by_position_.size(); ++i)

@@ -36,6 +36,8 @@ class Metrics {
                       const MtpStats& mtp);
   void observe_time_to_first_token(double seconds);
   void observe_inter_token_latency(double seconds);
+  // One engine step: the trunk passes of `sequences` requests run together (Model::forward_batch).
+  void count_engine_step(int64_t sequences);
 
   // The whole exposition; `busy_slots` and `queued` are gauges read at scrape time.
   std::string render(int64_t busy_slots, int64_t queued, int64_t slots) const;
@@ -50,6 +52,8 @@ class Metrics {
   std::vector<int64_t> drafted_by_position_;   // [max K seen]
   std::vector<int64_t> accepted_by_position_;  // [max K seen]
   int64_t mtp_steps_ = 0;
+  int64_t engine_steps_ = 0;
+  int64_t engine_step_sequences_ = 0;
   Histogram time_to_first_token_;
   Histogram inter_token_latency_;
 };

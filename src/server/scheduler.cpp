@@ -2,6 +2,8 @@
 
 #include <omp.h>
 
+#include <utility>
+
 #include "server/text_stream.h"
 
 namespace mtpx::server {
@@ -96,7 +98,8 @@ void Scheduler::run() {
   while (true) {
     const bool stopping = !wait_for_work();
     if (!stopping) admit_queued_jobs();
-    // One step of every busy slot, in turn. When stopping, the jobs are cancelled and run to their end.
+    // Every busy slot runs up to its next trunk pass (or its end); then their passes run together. When
+    // stopping, the jobs are cancelled and run to their end.
     for (auto& slot : slots_) {
       if (!slot->job) continue;
       if (stopping) slot->job->cancel();
@@ -106,6 +109,7 @@ void Scheduler::run() {
       std::lock_guard lock(mutex_);
       --jobs_in_system_;
     }
+    run_posted_passes();
     if (stopping && busy_slots_ == 0) break;
   }
   // Jobs still queued never started: tell their clients.
@@ -117,6 +121,29 @@ void Scheduler::run() {
     job->finish(std::move(outcome));
   }
   queue_.clear();
+}
+
+void Scheduler::run_posted_passes() {
+  std::vector<SequenceForward> passes;
+  std::vector<Slot*> posted;
+  for (auto& slot : slots_) {
+    if (!slot->pass) continue;
+    try {
+      model_.check_forward(*slot->pass);  // an invalid pass fails its own request only
+      passes.push_back(*slot->pass);
+      posted.push_back(slot.get());
+    } catch (...) {
+      slot->pass_error = std::current_exception();
+    }
+    slot->pass.reset();
+  }
+  if (passes.empty()) return;
+  metrics_.count_engine_step(static_cast<int64_t>(passes.size()));
+  try {
+    model_.forward_batch(passes);
+  } catch (...) {  // the computation failed (NaN or Inf logits): every request of the step ends with it
+    for (Slot* slot : posted) slot->pass_error = std::current_exception();
+  }
 }
 
 void Scheduler::generate_in_slot(Slot& slot) {
@@ -131,9 +158,11 @@ void Scheduler::generate_in_slot(Slot& slot) {
   }
   TextStream text(tokenizer_, request.stop_strings, request.options.stop_ids);
   GenerateOptions options = request.options;
-  options.cancelled = [&] {
-    slot.fiber.yield();  // the other slots take their step here
-    return job.cancelled() || text.stopped();
+  options.cancelled = [&] { return job.cancelled() || text.stopped(); };
+  options.run_forward = [&](const SequenceForward& pass) {
+    slot.pass = pass;
+    slot.fiber.yield();  // the scheduler runs the passes of all slots together
+    if (slot.pass_error) std::rethrow_exception(std::exchange(slot.pass_error, nullptr));
   };
   Clock::time_point last_token_at;
   bool first = true;

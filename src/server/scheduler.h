@@ -4,9 +4,12 @@
 // Why one thread: every forward pass already spreads over all cores with OpenMP. Two requests decoding on
 // two threads would start two OpenMP teams on the same cores, and teams that spin-wait for each other slow
 // everything down by 10-100x (see scripts/test.sh). So each request's generate() call runs inside a Fiber
-// on the scheduler thread; generate() asks GenerateOptions::cancelled between steps, and that is where the
-// fiber yields, so the slots take one decode (or MTP verify) step each, in turn, through one OpenMP team.
-// A prompt prefill is one step: a long prompt delays the other slots by its prefill time.
+// on the scheduler thread. Its trunk passes go through GenerateOptions::run_forward, which posts the pass
+// and yields; once every busy slot has posted its pass (or ended), the scheduler runs all of them in one
+// Model::forward_batch: one engine step for all active requests, each weight read once per step, and each
+// request's result bit-identical to its own forward()'s, so its output does not depend on its neighbours.
+// (The MTP head's draft passes still run per request, when its fiber resumes.) A prompt prefill runs
+// whole in its step: a long prompt delays the other slots by its prefill time.
 //
 // This file owns all the locking between the HTTP threads and the scheduler thread.
 #pragma once
@@ -16,6 +19,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -108,7 +112,10 @@ class Scheduler {
   struct Slot {
     Fiber fiber;
     std::shared_ptr<GenerationJob> job;
+    std::optional<SequenceForward> pass;  // posted by the fiber, run by the scheduler
+    std::exception_ptr pass_error;        // why its pass failed, rethrown in the fiber
   };
+  void run_posted_passes();  // one forward_batch of the slots' posted passes
 
   void run();                         // the scheduler thread
   void generate_in_slot(Slot& slot);  // a slot's fiber body: one whole generation
