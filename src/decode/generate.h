@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "decode/sampler.h"
+#include "model/mtp_head.h"
 #include "model/qwen35.h"
 
 namespace mtpx {
@@ -34,7 +35,18 @@ struct GenerateOptions {
   // gathers the passes of all its requests into one Model::forward_batch (server/scheduler.cpp), whose
   // results are bit-identical to forward()'s. Unset: model.forward().
   std::function<void(const SequenceForward&)> run_forward;
+  // The same for the MTP head's passes (its prompt, each chained draft row, the commit of accepted rows):
+  // mtp_forward_batch in a server. Unset: mtp_forward().
+  std::function<void(const MtpSequenceForward&)> run_head_forward;
 };
+
+// The head pass of `f`: through options.run_head_forward when set, else mtp_forward().
+inline void head_forward(const Model& model, const GenerateOptions& options, const MtpSequenceForward& f) {
+  if (options.run_head_forward)
+    options.run_head_forward(f);
+  else
+    mtp_forward(model, f);
+}
 
 // The trunk pass of `f`: through options.run_forward when set, else model.forward().
 inline void trunk_forward(const Model& model, const GenerateOptions& options, const SequenceForward& f) {

@@ -248,8 +248,16 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
   {
     std::vector<int32_t> shifted(prompt.begin() + 1, prompt.end());
     shifted.push_back(last);
-    mtp_forward(model, head_state, trunk.hidden, shifted, 0, LogitRows::kLast, head, head_logit_ids,
-                draft_argmax, draft_request);
+    head_forward(model, options,
+                 {.state = &head_state,
+                  .hidden = trunk.hidden,
+                  .tokens = shifted,
+                  .p0 = 0,
+                  .rows = LogitRows::kLast,
+                  .result = &head,
+                  .logit_ids = head_logit_ids,
+                  .argmax_limit = draft_argmax,
+                  .sample = draft_request});
   }
   result.stats.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   const ExpertTraffic prompt_experts = state.expert_traffic();
@@ -273,8 +281,16 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     std::vector<float> head_hidden(head.hidden.end() - H, head.hidden.end());
     for (int64_t i = 0; i < k; ++i) {
       if (i > 0) {
-        mtp_forward(model, head_state, head_hidden, std::span<const int32_t>(&drafts.back(), 1), P + i - 1,
-                    LogitRows::kLast, head, head_logit_ids, draft_argmax, draft_request);
+        head_forward(model, options,
+                     {.state = &head_state,
+                      .hidden = head_hidden,
+                      .tokens = std::span<const int32_t>(&drafts.back(), 1),
+                      .p0 = P + i - 1,
+                      .rows = LogitRows::kLast,
+                      .result = &head,
+                      .logit_ids = head_logit_ids,
+                      .argmax_limit = draft_argmax,
+                      .sample = draft_request});
         head_hidden.assign(head.hidden.begin(), head.hidden.end());
       }
       draft_dists.push_back(head_row(head));
@@ -324,9 +340,17 @@ GenerateResult generate_speculative(const Model& model, std::span<const int32_t>
     last = emitted.back();
     // Commit the head rows P..P+a from the trunk's hiddens (overwriting draft-time KV); its last row
     // drafts the next d_1.
-    mtp_forward(model, head_state,
-                std::span<const float>(trunk.hidden.data(), static_cast<size_t>((accepted + 1) * H)), emitted,
-                P, LogitRows::kLast, head, head_logit_ids, draft_argmax, draft_request);
+    head_forward(
+        model, options,
+        {.state = &head_state,
+         .hidden = std::span<const float>(trunk.hidden.data(), static_cast<size_t>((accepted + 1) * H)),
+         .tokens = emitted,
+         .p0 = P,
+         .rows = LogitRows::kLast,
+         .result = &head,
+         .logit_ids = head_logit_ids,
+         .argmax_limit = draft_argmax,
+         .sample = draft_request});
   }
   result.stats.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   result.stats.decode_steps = result.stats.mtp.steps;

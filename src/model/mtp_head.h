@@ -68,4 +68,29 @@ void mtp_forward(const Model& model, MtpState& state, std::span<const float> hid
                  std::span<const int32_t> tokens, int64_t p0, LogitRows rows, MtpResult& result,
                  int64_t logit_ids = 0, int64_t argmax_limit = 0, CandidateRequest sample = {});
 
+// One sequence's part of a batched head pass (mtp_forward_batch): mtp_forward()'s arguments.
+struct MtpSequenceForward {
+  MtpState* state = nullptr;
+  std::span<const float> hidden;
+  std::span<const int32_t> tokens;
+  int64_t p0 = 0;
+  LogitRows rows = LogitRows::kLast;
+  MtpResult* result = nullptr;
+  int64_t logit_ids = 0;
+  int64_t argmax_limit = 0;
+  CandidateRequest sample = {};
+};
+inline void mtp_forward(const Model& model, const MtpSequenceForward& f) {
+  mtp_forward(model, *f.state, f.hidden, f.tokens, f.p0, f.rows, *f.result, f.logit_ids, f.argmax_limit,
+              f.sample);
+}
+// Throws what mtp_forward() would throw for `f`'s input (no head, a hidden of the wrong size, a context
+// overflow, a state of another device), before anything runs.
+void check_mtp_forward(const Model& model, const MtpSequenceForward& f);
+// mtp_forward() of several sequences in one pass, as Model::forward_batch does for the trunk: fc, the head's
+// layer and the lm_head over all rows in invariant blocks, attention per sequence on its own cache. Each
+// result is bit-identical to the sequence's own mtp_forward(). Passes of kGemmMinRows rows or more (a
+// prompt's) and device passes run one by one.
+void mtp_forward_batch(const Model& model, std::span<const MtpSequenceForward> batch);
+
 }  // namespace mtpx

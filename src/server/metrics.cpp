@@ -95,10 +95,10 @@ std::string Metrics::render(int64_t busy_slots, int64_t queued, int64_t slots) c
   header("mtpx_mtp_steps_total", "counter", "MTP verify passes.");
   out += fmt::format("mtpx_mtp_steps_total {}\n", mtp_steps_);
   header("mtpx_engine_steps_total", "counter",
-         "Engine steps: one batched trunk pass of the active requests.");
+         "Engine steps: one batched pass of the active requests' trunk passes, one of their head passes.");
   out += fmt::format("mtpx_engine_steps_total {}\n", engine_steps_);
   header("mtpx_engine_step_sequences_total", "counter",
-         "Requests' trunk passes run in engine steps (divided by the steps: the mean batch).");
+         "Requests' passes (trunk or MTP head) run in engine steps (divided by the steps: the mean batch).");
   out += fmt::format("mtpx_engine_step_sequences_total {}\n", engine_step_sequences_);
   header("mtpx_mtp_drafted_tokens_total", "counter",
          "MTP draft tokens proposed, by draft position (1-based).");

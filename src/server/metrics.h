@@ -36,7 +36,8 @@ class Metrics {
                       const MtpStats& mtp);
   void observe_time_to_first_token(double seconds);
   void observe_inter_token_latency(double seconds);
-  // One engine step: the trunk passes of `sequences` requests run together (Model::forward_batch).
+  // One engine step: the passes of `sequences` requests run together (Model::forward_batch for trunk
+  // passes, mtp_forward_batch for head passes).
   void count_engine_step(int64_t sequences);
 
   // The whole exposition; `busy_slots` and `queued` are gauges read at scrape time.

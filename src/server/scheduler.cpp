@@ -98,8 +98,8 @@ void Scheduler::run() {
   while (true) {
     const bool stopping = !wait_for_work();
     if (!stopping) admit_queued_jobs();
-    // Every busy slot runs up to its next trunk pass (or its end); then their passes run together. When
-    // stopping, the jobs are cancelled and run to their end.
+    // Every busy slot runs up to its next pass (trunk or head) or its end; then their passes run together.
+    // When stopping, the jobs are cancelled and run to their end.
     for (auto& slot : slots_) {
       if (!slot->job) continue;
       if (stopping) slot->job->cancel();
@@ -124,23 +124,32 @@ void Scheduler::run() {
 }
 
 void Scheduler::run_posted_passes() {
+  // Each slot posted at most one pass; an invalid one fails its own request only (checked before any runs).
   std::vector<SequenceForward> passes;
+  std::vector<MtpSequenceForward> head_passes;
   std::vector<Slot*> posted;
   for (auto& slot : slots_) {
-    if (!slot->pass) continue;
     try {
-      model_.check_forward(*slot->pass);  // an invalid pass fails its own request only
-      passes.push_back(*slot->pass);
-      posted.push_back(slot.get());
+      if (slot->pass) {
+        model_.check_forward(*slot->pass);
+        passes.push_back(*slot->pass);
+        posted.push_back(slot.get());
+      } else if (slot->head_pass) {
+        check_mtp_forward(model_, *slot->head_pass);
+        head_passes.push_back(*slot->head_pass);
+        posted.push_back(slot.get());
+      }
     } catch (...) {
       slot->pass_error = std::current_exception();
     }
     slot->pass.reset();
+    slot->head_pass.reset();
   }
-  if (passes.empty()) return;
-  metrics_.count_engine_step(static_cast<int64_t>(passes.size()));
+  if (posted.empty()) return;
+  metrics_.count_engine_step(static_cast<int64_t>(posted.size()));
   try {
-    model_.forward_batch(passes);
+    if (!passes.empty()) model_.forward_batch(passes);
+    if (!head_passes.empty()) mtp_forward_batch(model_, head_passes);
   } catch (...) {  // the computation failed (NaN or Inf logits): every request of the step ends with it
     for (Slot* slot : posted) slot->pass_error = std::current_exception();
   }
@@ -162,6 +171,11 @@ void Scheduler::generate_in_slot(Slot& slot) {
   options.run_forward = [&](const SequenceForward& pass) {
     slot.pass = pass;
     slot.fiber.yield();  // the scheduler runs the passes of all slots together
+    if (slot.pass_error) std::rethrow_exception(std::exchange(slot.pass_error, nullptr));
+  };
+  options.run_head_forward = [&](const MtpSequenceForward& pass) {
+    slot.head_pass = pass;
+    slot.fiber.yield();
     if (slot.pass_error) std::rethrow_exception(std::exchange(slot.pass_error, nullptr));
   };
   Clock::time_point last_token_at;

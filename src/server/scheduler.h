@@ -8,8 +8,8 @@
 // and yields; once every busy slot has posted its pass (or ended), the scheduler runs all of them in one
 // Model::forward_batch: one engine step for all active requests, each weight read once per step, and each
 // request's result bit-identical to its own forward()'s, so its output does not depend on its neighbours.
-// (The MTP head's draft passes still run per request, when its fiber resumes.) A prompt prefill runs
-// whole in its step: a long prompt delays the other slots by its prefill time.
+// The MTP head's passes (run_head_forward) are gathered the same way, into one mtp_forward_batch. A prompt
+// prefill runs whole in its step: a long prompt delays the other slots by its prefill time.
 //
 // This file owns all the locking between the HTTP threads and the scheduler thread.
 #pragma once
@@ -112,10 +112,13 @@ class Scheduler {
   struct Slot {
     Fiber fiber;
     std::shared_ptr<GenerationJob> job;
-    std::optional<SequenceForward> pass;  // posted by the fiber, run by the scheduler
-    std::exception_ptr pass_error;        // why its pass failed, rethrown in the fiber
+    // Posted by the fiber (one of the two), run by the scheduler.
+    std::optional<SequenceForward> pass;
+    std::optional<MtpSequenceForward> head_pass;
+    std::exception_ptr pass_error;  // why its pass failed, rethrown in the fiber
   };
-  void run_posted_passes();  // one forward_batch of the slots' posted passes
+  // One forward_batch of the slots' posted trunk passes and one mtp_forward_batch of their head passes.
+  void run_posted_passes();
 
   void run();                         // the scheduler thread
   void generate_in_slot(Slot& slot);  // a slot's fiber body: one whole generation
